@@ -124,3 +124,42 @@ def execution_order(cfg, phases: Iterable[tuple[str, int]]) -> list[Point]:
             out += [Point(phase, step, i, s) for s in sites_for_config(cfg, i)]
         out += [Point(phase, step, None, s) for s in MODEL_SITES_AFTER]
     return out
+
+
+# ------------------------------------------------------------------------------------------ canonical shapes
+# Every runtime's tensor is reshaped to these before it is written or compared, so that e.g. the built-in model's
+# flattened [B*T, E] router logits and the twin's [B, T, E] land on the same dataset shape. Order of top-k ids is
+# canonicalised separately (ascending expert id per token, weights permuted alike): implementations may return
+# top-k unsorted (torch.topk(sorted=False)), and only the *set* and its weights carry meaning (DESIGN §6 routing).
+def canonical_shape(cfg, layer: int | None, site: str, batch: int, seq: int) -> tuple[tuple[int, ...], str] | None:
+    """(shape, shape_names) a site's tensor has in a dump, or None when the site keeps its natural [B,T,...] shape."""
+    B, T = batch, seq
+    H = cfg.num_attention_heads
+    if layer is None:
+        return None
+    kind = cfg.layer_kind(layer)
+    if kind == "kda":
+        d, P, W = cfg.head_dim, cfg.kda_proj_size, cfg.short_conv_kernel_size
+        table = {
+            "attention.gate": ((B, T, H, d), "B,T,H,K"),
+            "attention.beta": ((B, T, H), "B,T,H"),
+            "attention.core": ((B, T, H, d), "B,T,H,V"),
+            "attention.o_norm": ((B, T, H, d), "B,T,H,V"),
+            "attention.state": ((B, H, d, d), "B,H,K,V"),
+            "attention.conv_state": ((3, B, P, W), "QKV,B,P,W"),
+        }
+    else:
+        table = {
+            "attention.core": ((B, T, H * cfg.v_head_dim), "B,T,HV"),
+            "attention.dense:in": ((B, T, H * cfg.v_head_dim), "B,T,HV"),
+            "attention.gate": ((B, T, H), "B,T,H"),
+        }
+    k, E = cfg.num_experts_per_tok, cfg.num_experts
+    table.update(
+        {
+            "mlp.gate.logits": ((B, T, E), "B,T,E"),
+            "mlp.gate.topk_idx": ((B, T, k), "B,T,K"),
+            "mlp.gate.topk_weight": ((B, T, k), "B,T,K"),
+        }
+    )
+    return table.get(site)

@@ -1,0 +1,326 @@
+"""Dump per-layer activations of a Ling3 HF model into an HDF5 file of schema v1 (DESIGN §3, §4).
+
+`dump_checkpoint` loads a checkpoint through `parity.torch_ref.loader` (runtime `remote` = trust_remote_code, the
+official file or the twin; `native` = transformers' built-in `bailing_hybrid`), runs the guards of
+official_remote_code.md (eager attention, a causality prefix test, inv_freq validated, explicit decode positions,
+no padded batches), then prefill + N decode steps with the model's own cache, streaming every canonical point to
+disk as the hooks fire. `tools/dump_hf.py` is the CLI over it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from parity.config import Ling3Config
+from parity.errors import ParityError
+from parity.points import Point, sites_for_config
+from parity.torch_ref.capture import Capture, runtime_map_name, to_numpy
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+@dataclass
+class DumpOptions:
+    runtime: str = "remote"  # "remote" | "native"
+    cpu_kernels: bool | None = None  # fla CPU stand-ins (default: on when device is cpu)
+    device: str = "cpu"  # "cpu" | "cuda" | "auto" (device_map=auto for models larger than one GPU)
+    dtype: str = "bfloat16"
+    layers: Sequence[int] | None = None
+    sites: Sequence[str] | None = None
+    decode_steps: int = 4
+    continuation_ids: Sequence[int] | None = None  # teacher-forced decode tokens (else greedy)
+    stats_only: bool = False
+    cache_snapshots: bool = True
+    force: bool = False
+    seed: int = 0
+    progress: bool = True
+    causality_check: bool = True
+
+
+@dataclass
+class DumpSummary:
+    path: Path
+    points: int
+    bytes: int
+    seconds_load: float
+    seconds_forward: float  # prefill + decode with capture (incl. writing)
+    guards: dict = field(default_factory=dict)
+    unavailable: dict = field(default_factory=dict)
+
+
+def point_stats(arr: np.ndarray) -> dict:
+    """Per-point statistics for --stats-only dumps of huge models (no tensor is stored)."""
+    a = np.asarray(arr, dtype=np.float64) if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16" else arr
+    finite = np.isfinite(a) if a.dtype.kind == "f" else np.ones(a.shape, bool)
+    f = a[finite] if a.dtype.kind == "f" else a.ravel()
+    return {
+        "shape": list(arr.shape),
+        "dtype": str(arr.dtype),
+        "nan": int(np.isnan(a).sum()) if a.dtype.kind == "f" else 0,
+        "inf": int(np.isinf(a).sum()) if a.dtype.kind == "f" else 0,
+        "min": float(f.min()) if f.size else 0.0,
+        "max": float(f.max()) if f.size else 0.0,
+        "mean": float(f.mean()) if f.size else 0.0,
+        "rms": float(np.sqrt(np.mean(np.square(f, dtype=np.float64)))) if f.size else 0.0,
+        "absmax": float(np.abs(f).max()) if f.size else 0.0,
+    }
+
+
+def check_batch(input_ids: np.ndarray) -> np.ndarray:
+    """Ragged batches are rejected: the official KDA ignores padding masks (official_remote_code.md §2)."""
+    if isinstance(input_ids, (list, tuple)):
+        lens = {len(x) for x in input_ids}
+        if len(lens) > 1:
+            raise ParityError(
+                f"prompts of different lengths {sorted(lens)}: the official KDA ignores padding masks, so a padded "
+                "batch leaks pad tokens into the state (official_remote_code.md §2); dump them one at a time"
+            )
+        input_ids = np.asarray(input_ids)
+    input_ids = np.asarray(input_ids)
+    if input_ids.ndim == 1:
+        input_ids = input_ids[None]
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0 or input_ids.dtype.kind not in "iu":
+        raise ParityError(f"input ids: expected a non-empty [batch, tokens] integer array, got {input_ids.shape}")
+    return input_ids.astype(np.int64)
+
+
+def _versions() -> dict:
+    import transformers
+
+    try:
+        import importlib.metadata as md
+
+        fla_v = md.version("fla-core")
+    except Exception:  # not installed
+        fla_v = "none"
+    import parity
+
+    return {
+        "tool_version": parity.__version__,
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "fla_version": fla_v,
+        "python_version": platform.python_version(),
+    }
+
+
+def _determinism(seed: int) -> dict:
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return {
+        "seed": seed,
+        "torch_deterministic_algorithms": True,
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "torch_num_threads": torch.get_num_threads(),
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""),
+    }
+
+
+def _cache_snapshot(pkv, cfg: Ling3Config, layer: int) -> dict[str, torch.Tensor]:
+    """KDA recurrent + conv states from the model's cache, for runtimes whose taps do not give them.
+
+    Official/twin layout (official_remote_code.md §3): KDA layer i keeps the recurrent state in `layers[i].keys` and
+    the (q, k, v) conv states in `layers[i].values`. The built-in hybrid cache exposes get_recurrent_state /
+    get_conv_state (its conv state is one merged q|k|v tensor).
+    """
+    if pkv is None or cfg.layer_kind(layer) != "kda":
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    if hasattr(pkv, "get_recurrent_state"):
+        st = pkv.get_recurrent_state(layer, state_idx=0)
+        cv = pkv.get_conv_state(layer, state_idx=0)
+        if st is not None:
+            out["attention.state"] = st
+        if cv is not None:  # [B, 3P, W] -> [3, B, P, W]
+            b, c3, w = cv.shape
+            out["attention.conv_state"] = cv.view(b, 3, c3 // 3, w).transpose(0, 1)
+        return out
+    layers = getattr(pkv, "layers", None)
+    if layers is None or layer >= len(layers):
+        return {}
+    entry = layers[layer]
+    keys, values = getattr(entry, "keys", None), getattr(entry, "values", None)
+    if isinstance(keys, torch.Tensor):
+        out["attention.state"] = keys
+    if isinstance(values, (tuple, list)) and len(values) == 3 and all(isinstance(v, torch.Tensor) for v in values):
+        out["attention.conv_state"] = torch.stack(list(values))
+    return out
+
+
+def dump_checkpoint(
+    ckpt_dir: str | Path,
+    out_path: str | Path,
+    input_ids,
+    opts: DumpOptions | None = None,
+    *,
+    extra_meta: dict | None = None,
+) -> DumpSummary:
+    """Dump prefill over `input_ids` ([B,T], equal lengths) + `opts.decode_steps` decode steps into `out_path`."""
+    from parity.dumpfile import DumpWriter, fingerprint_checkpoint
+    from parity.torch_ref.loader import check_causality, load_model
+
+    opts = opts or DumpOptions()
+    ids = check_batch(input_ids)
+    ckpt_dir = Path(ckpt_dir)
+    out_path = Path(out_path)
+    if out_path.exists() and not opts.force:
+        raise ParityError(f"{out_path}: a dump already exists; pass --force to replace it (it is never overwritten silently)")
+    if opts.dtype not in DTYPES:
+        raise ParityError(f"--dtype {opts.dtype!r}: expected one of bf16, fp32")
+    if opts.continuation_ids is not None and len(opts.continuation_ids) < opts.decode_steps:
+        raise ParityError(
+            f"--continuation has {len(opts.continuation_ids)} ids but --decode-steps is {opts.decode_steps}"
+        )
+    determinism = _determinism(opts.seed)
+    cfg = Ling3Config.from_pretrained_dir(ckpt_dir, strict=False)
+    layers = sorted(set(opts.layers)) if opts.layers is not None else list(range(cfg.num_hidden_layers))
+    bad = [i for i in layers if not 0 <= i < cfg.num_hidden_layers]
+    if bad:
+        raise ParityError(f"--layers {bad}: the model has layers 0..{cfg.num_hidden_layers - 1}")
+
+    t0 = time.perf_counter()
+    cpu_kernels = opts.cpu_kernels if opts.cpu_kernels is not None else opts.device == "cpu"
+    loaded = load_model(ckpt_dir, opts.runtime, dtype=DTYPES[opts.dtype], device=opts.device,
+                        cpu_kernels=cpu_kernels and opts.runtime == "remote")
+    model = loaded.model
+    model.eval()
+    device = next(model.parameters()).device
+    guards = dict(loaded.guards)
+    t_ids = torch.as_tensor(ids, device=device)
+    if opts.causality_check:
+        guards["causality"] = check_causality(model, t_ids)
+    guards["decode_positions"] = "explicit position_ids and cache_position at every decode step"
+    guards["batch"] = f"{ids.shape[0]} sequence(s) of equal length {ids.shape[1]} (no padding)"
+    t_load = time.perf_counter() - t0
+
+    B, T = ids.shape
+    meta = {
+        **_versions(),
+        "runtime": opts.runtime,
+        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "config_json": cfg.to_dict(),
+        "checkpoint_fingerprint": fingerprint_checkpoint(ckpt_dir),
+        "checkpoint_dir": str(ckpt_dir),
+        "device": str(device),
+        "compute_dtype": "bfloat16" if DTYPES[opts.dtype] == torch.bfloat16 else "float32",
+        "seed": opts.seed,
+        "determinism": determinism,
+        "guards": guards,
+        "decode_steps": opts.decode_steps,
+        "decode_mode": "teacher_forced" if opts.continuation_ids is not None else "greedy",
+        "stats_only": opts.stats_only,
+        "layers_dumped": layers,
+        "sites_filter": list(opts.sites) if opts.sites else [],
+        **(extra_meta or {}),
+    }
+    map_name = runtime_map_name(model, "native" if opts.runtime == "native" else "remote")
+    meta["capture_map"] = map_name
+
+    t1 = time.perf_counter()
+    with DumpWriter(out_path, meta, force=opts.force) as writer:
+        written: set[Point] = set()
+
+        def sink(point: Point, arr: np.ndarray, attrs: dict) -> None:
+            written.add(point)
+            if opts.stats_only:
+                writer.write_stats(point, point_stats(arr))
+            else:
+                writer.write(point, arr, **attrs)
+
+        cap = Capture(model, cfg, map_name, sink, layers=layers, sites=opts.sites)
+        unavailable: dict[str, str] = {}
+        for i in layers:
+            for site in cap.unavailable_sites(i):
+                if cap.wants(i, site):
+                    unavailable[f"L{i:02d}/{site}"] = f"the {map_name} runtime does not expose {site}"
+        all_tokens = [ids]
+        progress = _progress(opts.progress, (1 + opts.decode_steps) * len(layers))
+        with cap, torch.no_grad():
+            _count_layers(model, cfg, layers, progress, cap)
+            cap.begin("prefill", 0, B, T)
+            pos = torch.arange(T, device=device)
+            out = model(input_ids=t_ids, position_ids=pos[None].expand(B, T), cache_position=pos,
+                        attention_mask=torch.ones(B, T, dtype=torch.long, device=device), use_cache=True)
+            pkv = out.past_key_values
+            _snapshot(cap, sink, written, pkv, cfg, layers, "prefill", 0, opts)
+            logits = out.logits
+            for k in range(1, opts.decode_steps + 1):
+                if opts.continuation_ids is not None:
+                    nxt = torch.full((B, 1), int(opts.continuation_ids[k - 1]), device=device)
+                else:
+                    nxt = logits[:, -1].float().argmax(-1, keepdim=True)
+                all_tokens.append(to_numpy(nxt).astype(np.int64))
+                p = T + k - 1
+                cap.begin("decode", k, B, 1)
+                out = model(input_ids=nxt, past_key_values=pkv, use_cache=True,
+                            position_ids=torch.full((B, 1), p, device=device),
+                            cache_position=torch.tensor([p], device=device),
+                            attention_mask=torch.ones(B, p + 1, dtype=torch.long, device=device))
+                pkv, logits = out.past_key_values, out.logits
+                _snapshot(cap, sink, written, pkv, cfg, layers, "decode", k, opts)
+        progress.close()
+        missing = [p.key() for s in [("prefill", 0)] + [("decode", k) for k in range(1, opts.decode_steps + 1)]
+                   for p in cap.missing(*s)]
+        for key in missing:
+            unavailable[key] = "hook registered but did not fire"
+        for pattern, reason in sorted(unavailable.items()):
+            writer.mark_unavailable(pattern, reason)
+        writer.write_tokens(np.concatenate(all_tokens, axis=1), T)
+        n_points = len(written)
+    t_fwd = time.perf_counter() - t1
+    return DumpSummary(out_path, n_points, out_path.stat().st_size, t_load, t_fwd, guards, unavailable)
+
+
+def _snapshot(cap: Capture, sink, written: set, pkv, cfg, layers, phase, step, opts: DumpOptions) -> None:
+    """Recurrent/conv state from the cache where the runtime's taps did not already record them."""
+    if not opts.cache_snapshots:
+        return
+    for i in layers:
+        for site, t in _cache_snapshot(pkv, cfg, i).items():
+            pt = Point(phase, step, i, site)
+            if pt not in written and cap.wants(i, site):
+                cap.emit(i, site, t, module="past_key_values", io="output")
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(enabled: bool, total: int):
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="dump (layer forwards)", unit="layer", leave=False)
+
+
+def _count_layers(model, cfg, layers, progress, cap: Capture) -> None:
+    """A progress tick per decoder layer forward (hook on each dumped layer)."""
+    mods = dict(model.named_modules())
+    for i in layers:
+        for name in (f"model.layers.{i}", f"layers.{i}"):
+            if name in mods:
+                cap.handles.append(mods[name].register_forward_hook(lambda *_: progress.update(1)))
+                break
+
+
+def expected_points(cfg: Ling3Config, layers: Sequence[int], decode_steps: int) -> list[Point]:
+    """Every canonical point a full dump of these layers holds (before runtime unavailability)."""
+    out = []
+    for phase, step in [("prefill", 0)] + [("decode", k) for k in range(1, decode_steps + 1)]:
+        out += [Point(phase, step, None, s) for s in ("embed", "final_norm", "logits")]
+        for i in layers:
+            out += [Point(phase, step, i, s) for s in sites_for_config(cfg, i)]
+    return out
