@@ -163,3 +163,76 @@ def canonical_shape(cfg, layer: int | None, site: str, batch: int, seq: int) -> 
         }
     )
     return table.get(site)
+
+
+# ------------------------------------------------------------------------------------------ dataflow graph
+# Which sites a site is computed from, inside one layer (facts §3–§5). The report uses it to find the *source* of a
+# divergence: the first failing point whose own inputs pass (DESIGN §6, graph-aware as coremltools does).
+_KDA_INPUTS = {
+    "input_layernorm": ("input",),
+    **{f"attention.{p}": ("input_layernorm",) for p in ("q_proj", "k_proj", "v_proj", "f_proj", "b_proj", "g_proj")},
+    "attention.q_conv1d": ("attention.q_proj",),
+    "attention.k_conv1d": ("attention.k_proj",),
+    "attention.v_conv1d": ("attention.v_proj",),
+    "attention.gate": ("attention.f_proj",),
+    "attention.beta": ("attention.b_proj",),
+    "attention.core": ("attention.q_conv1d", "attention.k_conv1d", "attention.v_conv1d", "attention.gate",
+                       "attention.beta"),
+    "attention.state": ("attention.k_conv1d", "attention.v_conv1d", "attention.gate", "attention.beta"),
+    "attention.conv_state": ("attention.q_proj", "attention.k_proj", "attention.v_proj"),
+    "attention.o_norm": ("attention.core", "attention.g_proj"),
+    "attention.o_proj": ("attention.o_norm",),
+    "attention": ("attention.o_proj",),
+}
+_MLA_INPUTS = {
+    "input_layernorm": ("input",),
+    "attention.q_a_proj": ("input_layernorm",),
+    "attention.q_a_layernorm": ("attention.q_a_proj",),
+    "attention.q_b_proj": ("attention.q_a_layernorm",),
+    "attention.q_proj": ("input_layernorm",),
+    "attention.kv_a_proj_with_mqa": ("input_layernorm",),
+    "attention.kv_a_layernorm": ("attention.kv_a_proj_with_mqa",),
+    "attention.kv_b_proj": ("attention.kv_a_layernorm",),
+    "attention.core": ("attention.q_b_proj", "attention.q_proj", "attention.kv_a_proj_with_mqa",
+                       "attention.kv_b_proj"),
+    "attention.g_proj": ("input_layernorm",),
+    "attention.gate": ("attention.g_proj",),
+    "attention.dense:in": ("attention.core", "attention.gate"),
+    "attention.dense": ("attention.dense:in", "attention.core", "attention.gate"),
+    "attention": ("attention.dense",),
+}
+_MLP_INPUTS = {
+    "post_attention_layernorm": ("input", "attention"),
+    "mlp.gate_proj": ("post_attention_layernorm",),
+    "mlp.up_proj": ("post_attention_layernorm",),
+    "mlp.down_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.gate.logits": ("post_attention_layernorm",),
+    "mlp.gate.topk_idx": ("mlp.gate.logits",),
+    "mlp.gate.topk_weight": ("mlp.gate.logits", "mlp.gate.topk_idx"),
+    "mlp.routed": ("post_attention_layernorm", "mlp.gate.topk_idx", "mlp.gate.topk_weight"),
+    "mlp.shared_experts": ("post_attention_layernorm",),
+    "output": ("input", "attention", "mlp"),
+}
+
+
+def site_inputs(kind: str, moe: bool, site: str) -> tuple[str, ...]:
+    """Sites of the same layer that `site` is computed from (empty for `input`)."""
+    if site == "mlp":
+        return ("mlp.routed", "mlp.shared_experts") if moe else ("mlp.down_proj",)
+    table = _KDA_INPUTS if kind == "kda" else _MLA_INPUTS
+    return table.get(site) or _MLP_INPUTS.get(site, ())
+
+
+def point_inputs(cfg, point: Point) -> list[Point]:
+    """Points a point is computed from, across layers and model-level sites (same phase/step)."""
+    ph, st = point.phase, point.step
+    if point.layer is None:
+        if point.site == "final_norm":
+            return [Point(ph, st, cfg.num_hidden_layers - 1, "output")]
+        if point.site == "logits":
+            return [Point(ph, st, None, "final_norm")]
+        return []
+    i = point.layer
+    if point.site == "input":
+        return [Point(ph, st, None, "embed")] if i == 0 else [Point(ph, st, i - 1, "output")]
+    return [Point(ph, st, i, s) for s in site_inputs(cfg.layer_kind(i), cfg.is_moe(i), point.site)]

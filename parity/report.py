@@ -1,0 +1,311 @@
+"""First divergence and the reports (DESIGN §8): report.json (minimal contract), report.md, self-contained report.html.
+
+A report covers one (dump, target, mode). Its input is a list of point records — one dict per compared point with
+`phase, step, layer, site, status` (`pass|fail|missing|skipped|benign`) and the verdict statistics of
+`parity.numerics` (`max_ulp`, `p99_ulp`, `rel_l2`, `cosine`, `worst_index`, `worst_ref`, `worst_test`, ...).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from pathlib import Path
+from typing import Iterable
+
+from parity.points import Point, point_inputs, sites_for_config
+
+SCHEMA = "ling3-parity-report"
+VERSION = 1
+FAILING = ("fail",)
+
+
+def _site_rank(cfg, layer: int | None, site: str) -> int:
+    if layer is None:
+        return {"embed": 0, "final_norm": 1, "logits": 2}.get(site, 3)
+    sites = sites_for_config(cfg, layer)
+    base = site.removesuffix(":in")
+    if base in sites:
+        # a module's input comes just before the module's output
+        return 2 * sites.index(base) + (0 if site.endswith(":in") else 1)
+    return 2 * len(sites) + 1
+
+
+def order_key(cfg, rec: dict) -> tuple:
+    """Execution order (DESIGN §6): phase, step, layer (embed first, final_norm/logits last), site order of §3."""
+    layer = rec.get("layer")
+    if layer is None:
+        lay = -1 if rec["site"] == "embed" else 10**6
+    else:
+        lay = layer
+    return (0 if rec["phase"] == "prefill" else 1, rec.get("step", 0), lay, _site_rank(cfg, layer, rec["site"]))
+
+
+def _pt(rec: dict) -> Point:
+    return Point(rec["phase"], rec.get("step", 0), rec.get("layer"), rec["site"])
+
+
+def first_divergence(cfg, records: list[dict]) -> dict | None:
+    """The first failing point in execution order, with its *source*: the first failing point whose own inputs all
+    pass (or were not compared). "The error starts at L03 attention.core; everything after it inherits it"."""
+    ordered = sorted(records, key=lambda r: order_key(cfg, r))
+    failing = [r for r in ordered if r.get("status") in FAILING]
+    if not failing:
+        return None
+    status = {_pt(r): r.get("status") for r in records}
+    source = None
+    for r in failing:
+        ins = point_inputs(cfg, _pt(r))
+        if not any(status.get(p) in FAILING for p in ins):
+            source = r
+            break
+    source = source or failing[0]
+    first = dict(failing[0])
+    first["source"] = {k: source.get(k) for k in ("phase", "step", "layer", "site")}
+    first["source"].update({k: source.get(k) for k in ("max_ulp", "p99_ulp", "rel_l2", "worst_index") if k in source})
+    return first
+
+
+def build_report(cfg, records: list[dict], *, dump: str, target: str, mode: str, extra: dict | None = None) -> dict:
+    ordered = sorted(records, key=lambda r: order_key(cfg, r))
+    fd = first_divergence(cfg, ordered)
+    counts: dict[str, int] = {}
+    for r in ordered:
+        counts[r.get("status", "?")] = counts.get(r.get("status", "?"), 0) + 1
+    return {
+        "schema": SCHEMA,
+        "version": VERSION,
+        "dump": dump,
+        "target": target,
+        "mode": mode,
+        "passed": fd is None and counts.get("missing", 0) == 0,
+        "counts": counts,
+        "first_divergence": fd,
+        "points": ordered,
+        **(extra or {}),
+    }
+
+
+def layer_table(report: dict) -> list[dict]:
+    """One row per (phase, step, layer): points, failures, worst max ULP / rel-L2, first failing site."""
+    rows: dict[tuple, dict] = {}
+    for r in report["points"]:
+        key = (r["phase"], r.get("step", 0), r.get("layer"))
+        row = rows.setdefault(key, {"phase": key[0], "step": key[1], "layer": key[2], "points": 0, "failed": 0,
+                                    "benign": 0, "missing": 0, "max_ulp": 0, "max_rel_l2": 0.0, "first_fail": ""})
+        row["points"] += 1
+        st = r.get("status")
+        if st == "fail":
+            row["failed"] += 1
+            row["first_fail"] = row["first_fail"] or r["site"]
+        elif st in ("benign", "missing"):
+            row[st] += 1
+        if isinstance(r.get("max_ulp"), (int, float)) and r["max_ulp"] is not None:
+            row["max_ulp"] = max(row["max_ulp"], r["max_ulp"])
+        rl = r.get("rel_l2")
+        if isinstance(rl, (int, float)) and math.isfinite(rl):
+            row["max_rel_l2"] = max(row["max_rel_l2"], rl)
+    return list(rows.values())
+
+
+def _loc(d: dict) -> str:
+    lay = "model" if d.get("layer") is None else f"L{d['layer']:02d}"
+    step = "" if d.get("phase") == "prefill" else f"/S{d.get('step', 0):03d}"
+    return f"{d.get('phase')}{step}/{lay}/{d.get('site')}"
+
+
+def _fmt(x, spec=".3g") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return format(x, spec)
+    return str(x)
+
+
+def summary_text(report: dict, *, max_rows: int = 60) -> str:
+    """Terminal summary: verdict, first divergence and its source, per-layer table."""
+    lines = [f"ling3-parity: dump {report['dump']} | target {report['target']} | mode {report['mode']} -> "
+             + ("PASSED" if report["passed"] else "FAILED") + f"  {report.get('counts', {})}"]
+    fd = report.get("first_divergence")
+    if fd:
+        src = fd["source"]
+        lines.append(f"  first divergence: {_loc(fd)}  max {fd.get('max_ulp')} ULP, rel-L2 {_fmt(fd.get('rel_l2'))}, "
+                     f"worst at {fd.get('worst_index')} (ref {_fmt(fd.get('worst_ref'), '.6g')}, "
+                     f"test {_fmt(fd.get('worst_test'), '.6g')})")
+        lines.append(f"  source: {_loc(src)} — the error starts there; later failures inherit it")
+    rows = layer_table(report)
+    lines.append(f"  {'phase':<8}{'step':>5}{'layer':>7}{'points':>8}{'fail':>6}{'benign':>7}{'max ULP':>9}"
+                 f"{'rel-L2':>10}  first failing site")
+    for row in rows[:max_rows]:
+        here = "  <- HERE" if fd and (row["phase"], row["step"], row["layer"]) == (fd["phase"], fd.get("step", 0),
+                                                                                  fd.get("layer")) else ""
+        lay = "model" if row["layer"] is None else str(row["layer"])
+        lines.append(f"  {row['phase']:<8}{row['step']:>5}{lay:>7}{row['points']:>8}{row['failed']:>6}"
+                     f"{row['benign']:>7}{row['max_ulp']:>9}{row['max_rel_l2']:>10.2e}  {row['first_fail']}{here}")
+    if len(rows) > max_rows:
+        lines.append(f"  ... {len(rows) - max_rows} more rows in report.md")
+    return "\n".join(lines)
+
+
+def markdown(report: dict) -> str:
+    out = [f"# ling3-parity report — {'PASSED' if report['passed'] else 'FAILED'}", "",
+           f"- dump: `{report['dump']}`", f"- target: `{report['target']}`", f"- mode: `{report['mode']}`",
+           f"- counts: {report.get('counts')}", ""]
+    fd = report.get("first_divergence")
+    if fd:
+        out += ["## First divergence", "", f"- point: `{_loc(fd)}` — max {fd.get('max_ulp')} ULP, "
+                f"p99 {fd.get('p99_ulp')} ULP, rel-L2 {_fmt(fd.get('rel_l2'))}, cosine {_fmt(fd.get('cosine'), '.6f')}",
+                f"- worst element: index {fd.get('worst_index')}, ref {_fmt(fd.get('worst_ref'), '.7g')}, "
+                f"test {_fmt(fd.get('worst_test'), '.7g')}",
+                f"- source: `{_loc(fd['source'])}` (first failing point whose inputs pass)", ""]
+        if fd.get("message"):
+            out += ["```", fd["message"], "```", ""]
+    out += ["## Per layer", "", "| phase | step | layer | points | fail | benign | max ULP | max rel-L2 | first failing site |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for row in layer_table(report):
+        here = " **← HERE**" if fd and (row["phase"], row["step"], row["layer"]) == (fd["phase"], fd.get("step", 0),
+                                                                                   fd.get("layer")) else ""
+        out.append(f"| {row['phase']} | {row['step']} | {'model' if row['layer'] is None else row['layer']} | "
+                   f"{row['points']} | {row['failed']} | {row['benign']} | {row['max_ulp']} | "
+                   f"{row['max_rel_l2']:.2e} | {row['first_fail']}{here} |")
+    out += ["", "## Failing points", ""]
+    fails = [r for r in report["points"] if r.get("status") == "fail"]
+    for r in fails[:200]:
+        out.append(f"- `{_loc(r)}`: max {r.get('max_ulp')} ULP, rel-L2 {_fmt(r.get('rel_l2'))}, worst "
+                   f"{r.get('worst_index')} (ref {_fmt(r.get('worst_ref'), '.6g')}, test {_fmt(r.get('worst_test'), '.6g')})")
+    if not fails:
+        out.append("none")
+    return "\n".join(out) + "\n"
+
+
+def _svg_plot(rows: list[dict]) -> str:
+    """Per-layer error growth (prefill, max rel-L2 per layer, log scale) as inline SVG: no external dependency."""
+    pts = [(r["layer"], r["max_rel_l2"], r["failed"]) for r in rows if r["phase"] == "prefill" and r["layer"] is not None]
+    if not pts:
+        return "<p>(no per-layer points)</p>"
+    w, h, pad = 640, 220, 40
+    ys = [max(p[1], 1e-12) for p in pts]
+    lo, hi = math.floor(math.log10(min(ys))), math.ceil(math.log10(max(ys)) + 1e-9)
+    hi = max(hi, lo + 1)
+    n = max(p[0] for p in pts) or 1
+
+    def xy(layer, v):
+        x = pad + (w - 2 * pad) * layer / n
+        y = h - pad - (h - 2 * pad) * (math.log10(max(v, 1e-12)) - lo) / (hi - lo)
+        return x, y
+
+    line = " ".join(f"{xy(l, v)[0]:.1f},{xy(l, v)[1]:.1f}" for l, v, _ in pts)
+    dots = "".join(
+        f'<circle cx="{xy(l, v)[0]:.1f}" cy="{xy(l, v)[1]:.1f}" r="4" fill="{"#c0392b" if f else "#27ae60"}">'
+        f"<title>layer {l}: max rel-L2 {v:.3e}, {f} failing</title></circle>" for l, v, f in pts)
+    ticks = "".join(
+        f'<text x="4" y="{xy(0, 10.0 ** e)[1] + 4:.1f}" font-size="10">1e{e}</text>' for e in range(lo, hi + 1))
+    xt = "".join(f'<text x="{xy(l, 1)[0] - 4:.1f}" y="{h - pad + 16}" font-size="10">{l}</text>' for l, _, _ in pts)
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" '
+            f'aria-label="per-layer error growth"><rect width="{w}" height="{h}" fill="#fafafa"/>'
+            f'<polyline points="{line}" fill="none" stroke="#2c3e50" stroke-width="1.5"/>{dots}{ticks}{xt}'
+            f'<text x="{w / 2 - 60}" y="{h - 6}" font-size="11">layer (prefill)</text>'
+            f'<text x="{pad}" y="14" font-size="11">max rel-L2 per layer (log)</text></svg>')
+
+
+def html_page(report: dict) -> str:
+    fd = report.get("first_divergence")
+    esc = html.escape
+    verdict = "PASSED" if report["passed"] else "FAILED"
+    color = "#27ae60" if report["passed"] else "#c0392b"
+    head = (f"<h1 style='color:{color}'>ling3-parity: {verdict}</h1><p>dump <code>{esc(report['dump'])}</code> · "
+            f"target <code>{esc(report['target'])}</code> · mode <code>{esc(report['mode'])}</code> · "
+            f"{esc(str(report.get('counts')))}</p>")
+    if fd:
+        head += (f"<div class='fd'><b>First divergence:</b> <code>{esc(_loc(fd))}</code> — max {fd.get('max_ulp')} ULP, "
+                 f"rel-L2 {_fmt(fd.get('rel_l2'))}, worst at {esc(str(fd.get('worst_index')))} "
+                 f"(ref {_fmt(fd.get('worst_ref'), '.7g')}, test {_fmt(fd.get('worst_test'), '.7g')})<br>"
+                 f"<b>Source:</b> <code>{esc(_loc(fd['source']))}</code> — the error starts there; "
+                 f"everything after it inherits it.</div>")
+        if fd.get("message"):
+            head += f"<pre>{esc(fd['message'])}</pre>"
+    rows_html = []
+    for row in layer_table(report):
+        here = fd and (row["phase"], row["step"], row["layer"]) == (fd["phase"], fd.get("step", 0), fd.get("layer"))
+        cls = "here" if here else ("bad" if row["failed"] else "")
+        lay = "model" if row["layer"] is None else row["layer"]
+        rows_html.append(
+            f"<tr class='{cls}'><td>{'HERE ▶' if here else ''}</td><td>{row['phase']}</td><td>{row['step']}</td>"
+            f"<td>{lay}</td><td>{row['points']}</td><td>{row['failed']}</td><td>{row['benign']}</td>"
+            f"<td>{row['max_ulp']}</td><td>{row['max_rel_l2']:.2e}</td><td>{esc(row['first_fail'])}</td></tr>")
+    pts_html = []
+    for r in report["points"]:
+        if r.get("status") in ("fail", "benign", "missing"):
+            pts_html.append(f"<tr class='{'bad' if r['status'] == 'fail' else ''}'><td>{esc(_loc(r))}</td>"
+                            f"<td>{r['status']}</td><td>{r.get('max_ulp', '-')}</td><td>{_fmt(r.get('rel_l2'))}</td>"
+                            f"<td>{esc(str(r.get('worst_index', '')))}</td><td>{_fmt(r.get('worst_ref'), '.6g')}</td>"
+                            f"<td>{_fmt(r.get('worst_test'), '.6g')}</td></tr>")
+    style = ("body{font-family:system-ui,sans-serif;margin:24px;color:#222}table{border-collapse:collapse;"
+             "font-size:13px}td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}th{background:#eee}"
+             "tr.bad td{background:#fdecea}tr.here td{background:#f9d6d2;font-weight:bold}"
+             ".fd{background:#fff4e5;border-left:4px solid #e67e22;padding:8px;margin:8px 0}code{font-size:13px}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>ling3-parity {verdict}</title>"
+            f"<style>{style}</style></head><body>{head}<h2>Error growth</h2>{_svg_plot(layer_table(report))}"
+            "<h2>Per layer</h2><table><tr><th></th><th>phase</th><th>step</th><th>layer</th><th>points</th>"
+            "<th>fail</th><th>benign</th><th>max ULP</th><th>max rel-L2</th><th>first failing site</th></tr>"
+            + "".join(rows_html) + "</table><h2>Failing, benign and missing points</h2><table><tr><th>point</th>"
+            "<th>status</th><th>max ULP</th><th>rel-L2</th><th>worst index</th><th>ref</th><th>test</th></tr>"
+            + ("".join(pts_html) or "<tr><td colspan=7>none</td></tr>") + "</table></body></html>\n")
+
+
+def write_reports(report: dict, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
+    (out / "report.md").write_text(markdown(report))
+    (out / "report.html").write_text(html_page(report))
+    return out
+
+
+def _json_default(x):
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if hasattr(x, "item"):
+        return x.item()
+    return str(x)
+
+
+def diff_reports(a: dict, b: dict) -> str:
+    """Before/after: verdict change, first divergence of each, points whose status or max ULP changed."""
+    def key(r):
+        return (r["phase"], r.get("step", 0), r.get("layer"), r["site"])
+
+    ia, ib = {key(r): r for r in a["points"]}, {key(r): r for r in b["points"]}
+    lines = [f"before: {'PASSED' if a['passed'] else 'FAILED'}  first divergence "
+             f"{_loc(a['first_divergence']) if a.get('first_divergence') else '-'}",
+             f"after:  {'PASSED' if b['passed'] else 'FAILED'}  first divergence "
+             f"{_loc(b['first_divergence']) if b.get('first_divergence') else '-'}"]
+    changed = []
+    for k in sorted(set(ia) | set(ib), key=lambda k: (k[0] != "prefill", k[1], -1 if k[2] is None else k[2], k[3])):
+        ra, rb = ia.get(k), ib.get(k)
+        if ra is None or rb is None:
+            changed.append(f"  {_loc(ra or rb)}: only in {'after' if ra is None else 'before'}")
+        elif ra.get("status") != rb.get("status") or ra.get("max_ulp") != rb.get("max_ulp"):
+            changed.append(f"  {_loc(ra)}: {ra.get('status')} {ra.get('max_ulp')} ULP -> "
+                           f"{rb.get('status')} {rb.get('max_ulp')} ULP")
+    lines.append(f"{len(changed)} point(s) changed")
+    return "\n".join(lines + changed)
+
+
+def load_report(path: str | Path) -> dict:
+    from parity.errors import ParityError
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "report.json"
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ParityError(f"{p}: cannot read a report ({e})") from None
+    if d.get("schema") != SCHEMA:
+        raise ParityError(f"{p}: schema is {d.get('schema')!r}, expected {SCHEMA!r}")
+    return d
+
+
+def records_iter(report: dict) -> Iterable[dict]:
+    return iter(report["points"])

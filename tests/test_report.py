@@ -1,0 +1,74 @@
+"""First divergence / source logic and report rendering on hand-made records (no dump, no target needed)."""
+
+import json
+
+from parity.config import PRESETS, Ling3Config
+from parity.points import sites_for_config
+from parity.report import build_report, diff_reports, first_divergence, html_page, summary_text, write_reports
+
+CFG = Ling3Config.from_dict(PRESETS["tiny"])
+
+
+def _records(fail: dict[tuple[int, str], int]) -> list[dict]:
+    """All prefill points of the tiny model; (layer, site) in `fail` fail with that many ULP."""
+    recs = [{"phase": "prefill", "step": 0, "layer": None, "site": s, "status": "pass", "max_ulp": 0, "rel_l2": 0.0}
+            for s in ("embed", "final_norm", "logits")]
+    for i in range(CFG.num_hidden_layers):
+        for s in sites_for_config(CFG, i):
+            u = fail.get((i, s))
+            recs.append({"phase": "prefill", "step": 0, "layer": i, "site": s,
+                         "status": "fail" if u else "pass", "max_ulp": u or 0, "rel_l2": 1e-2 if u else 1e-4,
+                         "worst_index": [0, 5, 7] if u else None})
+    return recs
+
+
+def test_source_is_first_failing_point_whose_inputs_pass():
+    # layer 3 (MLA): core fails, and everything downstream inherits it; an earlier-executed but *independent*
+    # failure does not exist, so first divergence == source == core.
+    fails = {(3, "attention.core"): 400, (3, "attention.dense:in"): 300, (3, "attention.dense"): 200,
+             (3, "attention"): 100, (3, "output"): 50, (4, "input"): 50, (4, "output"): 30}
+    fd = first_divergence(CFG, _records(fails))
+    assert (fd["layer"], fd["site"]) == (3, "attention.core")
+    assert fd["source"]["layer"] == 3 and fd["source"]["site"] == "attention.core"
+
+
+def test_source_skips_points_whose_inputs_fail():
+    # KDA layer 1: o_norm fails because g_proj fails; g_proj executes after core in §3 order, so the first failing
+    # point in execution order is g_proj itself and it is also the source; o_norm inherits.
+    fails = {(1, "attention.g_proj"): 9, (1, "attention.o_norm"): 9, (1, "attention.o_proj"): 9}
+    fd = first_divergence(CFG, _records(fails))
+    assert fd["site"] == "attention.g_proj" and fd["source"]["site"] == "attention.g_proj"
+    # If only the downstream point and a *later layer's* independent point fail, the source is the downstream one.
+    fails = {(1, "attention.o_proj"): 9, (2, "attention.q_proj"): 9}
+    fd = first_divergence(CFG, _records(fails))
+    assert (fd["layer"], fd["site"]) == (1, "attention.o_proj") and fd["source"]["site"] == "attention.o_proj"
+
+
+def test_inherited_failure_is_not_its_own_source():
+    # teacher-forced input of layer 2 fails (dump edited), so layer 2's layernorm inherits it: source = the input
+    fails = {(2, "input"): 5, (2, "input_layernorm"): 5}
+    fd = first_divergence(CFG, _records(fails))
+    assert fd["site"] == "input" and fd["source"]["site"] == "input"
+    fails = {(1, "output"): 5, (2, "input"): 5, (2, "input_layernorm"): 5}
+    assert first_divergence(CFG, _records(fails))["source"] == {
+        "phase": "prefill", "step": 0, "layer": 1, "site": "output", "max_ulp": 5, "rel_l2": 0.01,
+        "worst_index": [0, 5, 7]}
+
+
+def test_reports_render_and_roundtrip(tmp_path):
+    rep = build_report(CFG, _records({(3, "attention.core"): 400}), dump="d.h5", target="reference", mode="layer")
+    assert not rep["passed"] and rep["first_divergence"]["site"] == "attention.core"
+    out = write_reports(rep, tmp_path)
+    j = json.loads((out / "report.json").read_text())
+    assert j["schema"] == "ling3-parity-report" and j["version"] == 1
+    assert j["first_divergence"]["source"] == {"phase": "prefill", "step": 0, "layer": 3, "site": "attention.core",
+                                               "max_ulp": 400, "rel_l2": 0.01, "worst_index": [0, 5, 7]}
+    page = (out / "report.html").read_text()
+    assert "HERE" in page and "<svg" in page and "http" not in page.replace('http://www.w3.org/2000/svg', '')
+    assert "<- HERE" in summary_text(rep)
+    ok = build_report(CFG, _records({}), dump="d.h5", target="reference", mode="layer")
+    assert ok["passed"] and ok["first_divergence"] is None
+    d = diff_reports(rep, ok)
+    assert "1 point(s) changed" in d or "point(s) changed" in d
+    assert "prefill/L03/attention.core: fail 400 ULP -> pass 0 ULP" in d
+    assert html_page(ok).count("HERE") == 0
