@@ -1,0 +1,78 @@
+"""The JAX-target protocol (DESIGN §7).
+
+A target is the JAX implementation under test. The suite's own pure-JAX Ling3 is `reference`; external ports
+(sglang-jax, MaxText) plug in as import-guarded adapters. A target takes **HF checkpoint names and shapes** per layer
+(it owns its conversion), runs one decoder layer at a time, and returns the canonical points it produces
+(`parity.points`), in the canonical shapes (`parity.points.canonical_shape`).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Capability flags: a test that needs one the target lacks is skipped with the reason.
+CAPABILITIES = {
+    "q_lora": "MLA with q-LoRA (q_a_proj / q_a_layernorm / q_b_proj)",
+    "swiglu_clamp": "SwiGLU clamp limits per layer (facts §5.7)",
+    "absorbed_decode": "MLA decode in the absorbed form over a latent cache",
+    "forced_routing": "MoE run on given expert ids (compare expert maths where routing flipped)",
+    "kda_chunked": "KDA chunked prefill",
+    "kda_recurrent": "KDA recurrent decode",
+    "decode": "cached decode steps",
+    "mesh": "runs sharded on a device mesh",
+    "isolated": "sub-modules callable on dumped inputs",
+}
+
+
+@dataclass
+class LayerResult:
+    """What one decoder-layer call returns: the residual stream leaving it, its canonical points, and the state to
+    pass to the next call of the same layer (KDA recurrent + conv state, MLA cache)."""
+
+    output: np.ndarray
+    points: dict[str, np.ndarray] = field(default_factory=dict)
+    state: Any = None
+
+
+class Target(abc.ABC):
+    name: str = "abstract"
+    capabilities: frozenset[str] = frozenset()
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        """(True, "") when the target can run here, else (False, reason) — a missing target is a skip."""
+        return True, ""
+
+    @abc.abstractmethod
+    def build(self, config, dtype: str, mesh=None) -> None:
+        """Prepare for a model of this Ling3Config in dtype "bfloat16" or "float32" (optionally on a device mesh)."""
+
+    @abc.abstractmethod
+    def load_globals(self, hf_tensors: dict[str, np.ndarray]) -> None:
+        """`model.word_embeddings.weight`, `model.norm.weight`, `lm_head.weight` (HF names and shapes)."""
+
+    @abc.abstractmethod
+    def load_layer(self, i: int, hf_tensors: dict[str, np.ndarray]) -> None:
+        """All `model.layers.{i}.*` tensors under their HF names and shapes; the target converts them."""
+
+    def unload_layer(self, i: int) -> None:
+        """Release layer i's weights (one layer resident at a time, DESIGN §9)."""
+
+    @abc.abstractmethod
+    def embed(self, input_ids: np.ndarray) -> np.ndarray:
+        """[B,T] ids -> [B,T,D] hidden."""
+
+    @abc.abstractmethod
+    def layer_forward(self, i: int, hidden: np.ndarray, positions: np.ndarray, state: Any = None,
+                      forced_topk: np.ndarray | None = None) -> LayerResult:
+        """Decoder layer i on `hidden` [B,T,D] at absolute `positions` [T]. `state` is what the previous call of this
+        layer returned (None: start of sequence). With T > 1 and no state this is a prefill; T == 1 with a state a
+        decode step. `forced_topk` [B,T,k] expert ids replace the router's choice (capability forced_routing)."""
+
+    @abc.abstractmethod
+    def head(self, hidden: np.ndarray) -> dict[str, np.ndarray]:
+        """Final norm and LM head: {"final_norm": [B,T,D], "logits": [B,T,V]}."""
