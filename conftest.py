@@ -7,3 +7,5 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+pytest_plugins = ["parity.plugin"]

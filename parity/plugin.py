@@ -1,0 +1,304 @@
+"""The pytest face of the suite (DESIGN §8): options, one test per compared point, reports at the end of the run.
+
+`pytest parity` replays the target against the bundled dumps (or `--parity-dump FILE`); each point is a test whose id
+holds the dump, phase/step, `layer_{i}` and the site, e.g. `test_point[tiny-bf16/prefill/layer_3/attention.core]`.
+`-k layer_3` selects exactly layer 3 (a plain substring match would also take layer_30..39: the plugin narrows it).
+Records travel to the controller through `user_properties`, so `-n auto` (xdist) gives the same reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BUNDLED_DUMPS = ROOT / "dumps"
+BUNDLED_CKPTS = ROOT / "dumps" / "ckpt"
+RECORD_KEY = "parity_record"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    g = parser.getgroup("parity", "ling3-parity replay")
+    g.addoption("--parity-dump", action="append", default=None,
+                help="dump file(s) to replay (default: the bundled dumps in dumps/)")
+    g.addoption("--parity-ckpt", default=None,
+                help="checkpoint directory (default: found by the dump's fingerprint among dumps/ckpt/*)")
+    g.addoption("--parity-target", default="reference",
+                help="target: 'reference' (pure-JAX Ling3) or 'package.module:Class' (external adapter)")
+    g.addoption("--parity-mode", default="layer", choices=["layer", "free", "forced"],
+                help="layer = teacher forcing per layer; free = run from token ids; forced = layer + forced routing")
+    g.addoption("--parity-tolerances", default=None, help="TOML tolerance rules merged over the defaults")
+    g.addoption("--parity-report", default=str(ROOT / "reports"), help="report directory (one subdirectory per dump)")
+    g.addoption("--parity-layers", default=None, help="layers to replay, e.g. 0-3,7 (default all)")
+
+
+# ------------------------------------------------------------------------------------------ session state
+@dataclass
+class DumpEntry:
+    path: Path
+    label: str
+
+
+def _dump_label(path: Path) -> str:
+    return path.name.removesuffix(".h5")
+
+
+def selected_dumps(config: pytest.Config) -> list[DumpEntry]:
+    given = config.getoption("--parity-dump")
+    if given:
+        paths = [Path(p) for p in given]
+    else:
+        paths = sorted(BUNDLED_DUMPS.glob("*.h5"))
+    return [DumpEntry(p, _dump_label(p)) for p in paths]
+
+
+def find_checkpoint(fingerprint: str, explicit: str | None) -> Path:
+    """The checkpoint a dump was made from: --parity-ckpt, else the bundled one with the same fingerprint."""
+    from parity.dumpfile import fingerprint_checkpoint
+    from parity.errors import DumpError
+
+    if explicit:
+        return Path(explicit)
+    seen = []
+    for d in sorted(BUNDLED_CKPTS.iterdir()) if BUNDLED_CKPTS.is_dir() else []:
+        if (d / "config.json").is_file():
+            fp = fingerprint_checkpoint(d)
+            seen.append(f"{d.name}={fp[:12]}")
+            if fp == fingerprint:
+                return d
+    raise DumpError(f"no checkpoint with fingerprint {fingerprint[:12]}… among {BUNDLED_CKPTS} ({', '.join(seen)}); "
+                    "pass --parity-ckpt DIR")
+
+
+class ParitySession:
+    """Per-process cache: opened dumps, checkpoint readers, built targets, and replayed layers."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.readers: dict[str, object] = {}
+        self.replays: dict[tuple[str, object], dict] = {}
+        self.contexts: dict[str, object] = {}
+        self.errors: dict[str, str] = {}
+
+    def reader(self, entry: DumpEntry):
+        from parity.dumpfile import DumpReader
+
+        if entry.label not in self.readers:
+            self.readers[entry.label] = DumpReader(entry.path)
+        return self.readers[entry.label]
+
+    def context(self, entry: DumpEntry):
+        if entry.label in self.errors:
+            pytest.skip(self.errors[entry.label])
+        if entry.label in self.contexts:
+            return self.contexts[entry.label]
+        from parity.errors import TargetError
+        from parity.jax_ling3.weights import CheckpointReader
+        from parity.numerics.tolerances import default_rules, load_rules
+        from parity.replay import ReplayContext
+        from parity.targets import resolve
+
+        dump = self.reader(entry)
+        ckpt_dir = find_checkpoint(dump.fingerprint, self.config.getoption("--parity-ckpt"))
+        try:
+            target_cls = resolve(self.config.getoption("--parity-target"))
+        except TargetError as e:
+            self.errors[entry.label] = str(e)
+            pytest.skip(str(e))
+        rules = default_rules()
+        tol = self.config.getoption("--parity-tolerances")
+        if tol:
+            rules = rules.merged(load_rules(tol))
+        dtype = dump.meta.get("compute_dtype", "bfloat16")
+        target = target_cls()
+        target.build(dump.config, dtype)
+        ctx = ReplayContext(dump=dump, ckpt=CheckpointReader(ckpt_dir), target=target, rules=rules,
+                            mode=self.config.getoption("--parity-mode"), dtype=dtype)
+        self.contexts[entry.label] = ctx
+        return ctx
+
+    def records(self, entry: DumpEntry, layer) -> dict:
+        """{(phase, step, layer, site): record} for one layer (or the model-level points when layer is None)."""
+        from parity import replay
+
+        key = (entry.label, layer if self.config.getoption("--parity-mode") != "free" else "free")
+        if key not in self.replays:
+            ctx = self.context(entry)
+            if ctx.mode == "free":
+                recs = replay.replay_free(ctx)
+            elif layer is None:
+                recs = replay.replay_model_points(ctx)
+            else:
+                recs = replay.replay_layer(ctx, layer)
+            self.replays[key] = {(r["phase"], r["step"], r["layer"], r["site"]): r for r in recs}
+        return self.replays[key]
+
+
+def _session(config) -> ParitySession:
+    s = getattr(config, "_parity_session", None)
+    if s is None:
+        s = config._parity_session = ParitySession(config)
+    return s
+
+
+# ------------------------------------------------------------------------------------------ collection
+def _parse_layers(text: str | None):
+    if not text:
+        return None
+    from parity.cli.dump_hf import parse_layers
+
+    return set(parse_layers(text))
+
+
+def parity_params(config: pytest.Config) -> list:
+    """One param per (dump, phase, step, layer, site) the dump holds or declares unavailable."""
+    from parity.errors import ParityError
+    from parity.points import sites_for_config
+
+    sess = _session(config)
+    layers_opt = _parse_layers(config.getoption("--parity-layers"))
+    params = []
+    for entry in selected_dumps(config):
+        try:
+            dump = sess.reader(entry)
+        except ParityError as e:
+            params.append(pytest.param(entry, None, None, id=f"{entry.label}/unreadable",
+                                       marks=pytest.mark.parity_error(str(e))))
+            continue
+        cfg = dump.config
+        steps = [("prefill", 0)] + [("decode", k) for k in sorted(dump.steps("decode"))] \
+            if "decode" in dump.phases() else [("prefill", 0)]
+        layers = sorted(set(dump.layers("prefill", 0)) - {None})
+        if layers_opt is not None:
+            layers = [i for i in layers if i in layers_opt]
+        for phase, step in steps:
+            ph = "prefill" if phase == "prefill" else f"decode_{step}"
+            for site in ("embed", "final_norm", "logits"):
+                params.append(pytest.param(entry, (phase, step, None, site), None,
+                                           id=f"{entry.label}/{ph}/model/{site}"))
+            for i in layers:
+                extra = ("attention.dense:in",) if cfg.layer_kind(i) == "mla" else ()
+                for site in sites_for_config(cfg, i) + extra:
+                    params.append(pytest.param(entry, (phase, step, i, site), i,
+                                               id=f"{entry.label}/{ph}/layer_{i}/{site}"))
+    return params
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "parity_error(msg): the dump could not be read")
+    config.addinivalue_line("markers", "parity_layer(i): a parity test of layer i")
+    config._parity_records = {}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "parity_point" in metafunc.fixturenames:
+        metafunc.parametrize("parity_dump,parity_point,parity_layer", parity_params(metafunc.config))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """`-k layer_3` must not also select layer_30..39: deselect parity items of other layers."""
+    expr = config.getoption("keyword") or ""
+    wanted = {int(n) for n in re.findall(r"(?<![\w])layer_(\d+)(?![\d])", expr)}
+    if not wanted or re.search(r"\bnot\b|\bor\b", expr):
+        return
+    keep, drop = [], []
+    for item in items:
+        cs = getattr(item, "callspec", None)
+        layer = cs.params.get("parity_layer") if cs else None
+        if cs and "parity_point" in cs.params and layer is not None and layer not in wanted:
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+# ------------------------------------------------------------------------------------------ the test body
+def run_point(request: pytest.FixtureRequest, entry: DumpEntry, point: tuple, layer) -> None:
+    marker = request.node.get_closest_marker("parity_error")
+    if marker:
+        pytest.fail(marker.args[0], pytrace=False)
+    sess = _session(request.config)
+    recs = sess.records(entry, layer)
+    rec = recs.get(point)
+    if rec is None:
+        phase, step, lay, site = point
+        rec = {"phase": phase, "step": step, "layer": lay, "site": site, "status": "missing",
+               "reason": "the replay produced no record for this point"}
+    rec = dict(rec, dump=entry.label)
+    request.node.user_properties.append((RECORD_KEY, json.dumps(rec, default=_jsonable)))
+    status = rec["status"]
+    if status == "skipped":
+        pytest.skip(rec.get("reason", "skipped"))
+    if status in ("fail", "missing"):
+        pytest.fail(rec.get("message") or rec.get("reason") or status, pytrace=False)
+
+
+def _jsonable(x):
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return str(x)
+
+
+# ------------------------------------------------------------------------------------------ reports
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when != "call" and not (report.when == "setup" and report.skipped):
+        return
+    for key, value in report.user_properties:
+        if key == RECORD_KEY:
+            rec = json.loads(value)
+            _RECORDS.setdefault(rec["dump"], []).append(rec)
+
+
+_RECORDS: dict[str, list[dict]] = {}
+
+
+def _is_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
+    config = session.config
+    if _is_worker(config) or not _RECORDS:
+        return
+    from parity.config import Ling3Config
+    from parity.report import build_report, write_reports
+
+    out_root = Path(config.getoption("--parity-report"))
+    built = []
+    entries = {e.label: e for e in selected_dumps(config)}
+    for label, recs in sorted(_RECORDS.items()):
+        entry = entries.get(label)
+        try:
+            from parity.dumpfile import DumpReader
+
+            with DumpReader(entry.path) as d:
+                cfg = Ling3Config.from_dict(d.meta["config_json"] if isinstance(d.meta["config_json"], dict)
+                                            else json.loads(d.meta["config_json"]), strict=False)
+        except Exception:
+            continue
+        for r in recs:
+            r.pop("dump", None)
+        rep = build_report(cfg, recs, dump=str(entry.path), target=config.getoption("--parity-target"),
+                           mode=config.getoption("--parity-mode"))
+        path = write_reports(rep, out_root / label)
+        built.append((rep, path))
+    config._parity_built = built
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    built = getattr(config, "_parity_built", None)
+    if not built:
+        return
+    from parity.report import summary_text
+
+    terminalreporter.section("ling3-parity")
+    for rep, path in built:
+        terminalreporter.write_line(summary_text(rep))
+        terminalreporter.write_line(f"  reports: {path}/report.{{json,md,html}}")
