@@ -1,0 +1,28 @@
+"""Shared fixtures for tests/ (keep small). Session-scoped random checkpoints written by parity.torch_ref.ckpt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BUNDLED_CKPT = REPO / "dumps" / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def tiny_flash_fp32_ckpt(tmp_path_factory) -> Path:
+    """Flash-shaped tiny checkpoint (no q-LoRA, ragged MLA tail, clamp lists) stored in fp32, seed 0, 3+ shards."""
+    from parity.torch_ref.ckpt import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-flash-fp32", "tiny-flash", seed=0,
+                           dtype="float32", max_shard_bytes=1 << 20)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt() -> Path:
+    """The bundled Tiny-shaped checkpoint (q-LoRA, MTP layer present with num_nextn_predict_layers 0)."""
+    path = BUNDLED_CKPT / "tiny"
+    if not (path / "config.json").exists():
+        pytest.fail(f"{path}: bundled checkpoint missing; regenerate with the command in dumps/ckpt/README.md")
+    return path
