@@ -1,0 +1,755 @@
+"""HDF5 dump file, schema `ling3-parity-dump` version 1 (DESIGN §4): writer, lazy reader, validator, fingerprint.
+
+Layout (DESIGN §4):
+
+    /                        root attrs: schema, version, created_utc, tool_version, runtime, model_class, config_json,
+                             checkpoint_fingerprint, torch/transformers/fla versions, device, compute_dtype, seed,
+                             complete, + any extra meta (non-scalars JSON-encoded; their names in attr `json_keys`)
+    /tokens/input_ids        [B, T_total] int32 (prompt + decode tokens)
+    /tokens/prompt_len       scalar int64
+    /prefill/model/<site>    model-level sites (embed, final_norm, logits)
+    /prefill/L03/<site>      one dataset per site; attrs dtype, module, io, shape_names
+    /decode/S001/L03/<site>  the same per decode step
+    /unavailable             [N, 2] strings: (point or site pattern, reason) a runtime cannot provide (never zeros)
+    /stats/<point path>      statistics-only mode: an *empty* dataset (h5py.Empty) whose attrs are the statistics;
+                             kept apart from the data tree so `has(point)` / `read(point)` never see a stats-only point
+                             as data (a replay reports it as missing instead of comparing against nothing).
+
+bfloat16 has no HDF5 type (env_notes "HDF5 and safetensors"): it is stored as its uint16 bits with attr
+dtype="bfloat16" and read back as an `ml_dtypes.bfloat16` view, bit-exact.
+
+Every problem with a file (foreign, truncated, incomplete, of another checkpoint, malformed) is a one-line `DumpError`
+naming the file (DESIGN §10); no h5py/numpy exception escapes the reader (tests/test_dumpfile_fuzz.py corrupts files
+at random to check it).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import struct
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import h5py
+import ml_dtypes
+import numpy as np
+
+from parity.errors import CheckpointError, ConfigError, DumpError, ParityError
+from parity.points import Point
+
+SCHEMA = "ling3-parity-dump"
+VERSION = 1
+
+# Root attrs the writer needs from the caller's meta (DESIGN §4); schema/version/created_utc/complete are its own.
+REQUIRED_META = (
+    "runtime",
+    "model_class",
+    "config_json",
+    "checkpoint_fingerprint",
+    "torch_version",
+    "transformers_version",
+    "fla_version",
+    "device",
+    "compute_dtype",
+    "seed",
+)
+WRITER_META = ("schema", "version", "created_utc", "complete", "json_keys")
+
+# Real dtype name (attr `dtype`) -> numpy storage dtype. bfloat16 is stored as its bits.
+STORAGE = {
+    "bfloat16": np.dtype(np.uint16),
+    "float16": np.dtype(np.float16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "bool": np.dtype(np.bool_),
+    **{n: np.dtype(n) for n in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")},
+}
+IO_KINDS = ("input", "output")
+
+# Compression, measured on this machine (2 cores, shared) with a 50 MB bf16 array of N(0, 0.5) values stored as
+# uint16, chunks of 256x2048 (1 MiB), h5py 3.16, `python /tmp/bench_comp.py`-style loop, write / read / size ratio:
+#   none            ~950 MB/s / ~2400 MB/s / 1.00
+#   lzf             ~110 MB/s /  ~280 MB/s / 0.996   (bf16 bits barely compress without shuffle)
+#   lzf + shuffle   ~115 MB/s /  ~420 MB/s / 0.84    <- chosen
+#   gzip 1 + shuffle ~60 MB/s /  ~280 MB/s / 0.74
+#   gzip 1           ~40 MB/s /  ~200 MB/s / 0.80
+# lzf + shuffle writes twice as fast as gzip 1 + shuffle for 12 % more bytes; the dump streams as hooks fire, so write
+# speed is what slows a real-model dump. Both are built into h5py (no extra package, DESIGN §4).
+COMPRESSION = dict(compression="lzf", shuffle=True)
+CHUNK_BYTES = 1 << 20  # ~1 MiB chunks: large enough for the filters to be efficient, small enough for lazy slicing
+
+_LAYER_RE = re.compile(r"^L(\d{2,})$")
+_STEP_RE = re.compile(r"^S(\d{3,})$")
+_PHASES = ("prefill", "decode")
+
+
+# ---------------------------------------------------------------------------------------------------- fingerprint
+def fingerprint_checkpoint(ckpt_dir: str | os.PathLike) -> str:
+    """sha256 over config.json's bytes and every top-level `*.safetensors` header (never the tensor bytes).
+
+    Files are taken in sorted name order; each contributes its name, its length prefix and its bytes (config.json) or
+    its 8-byte little-endian header length + JSON header (safetensors), so a renamed file or a changed dtype/shape/
+    offset changes the fingerprint while a re-save with identical headers and config does not need the tensors read.
+    """
+    d = Path(ckpt_dir)
+    cfg = d / "config.json"
+    if not cfg.is_file():
+        raise CheckpointError(f"{cfg}: missing; a checkpoint directory needs a config.json to be fingerprinted")
+    shards = sorted(p for p in d.glob("*.safetensors") if p.is_file())
+    if not shards:
+        raise CheckpointError(f"{d}: no *.safetensors files; nothing to fingerprint besides config.json")
+    h = hashlib.sha256()
+
+    def add(name: str, payload: bytes) -> None:
+        h.update(name.encode() + b"\0" + struct.pack("<Q", len(payload)))
+        h.update(payload)
+
+    try:
+        add("config.json", cfg.read_bytes())
+    except OSError as e:
+        raise CheckpointError(f"{cfg}: cannot read ({e.strerror or e})") from None
+    for p in shards:
+        add(p.name, _safetensors_header(p))
+    return h.hexdigest()
+
+
+def _safetensors_header(path: Path) -> bytes:
+    """The 8-byte length prefix + JSON header of a safetensors file, checked against the file size."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: malformed safetensors header: file has {size} bytes, expected >= 8")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > size - 8:
+                raise CheckpointError(
+                    f"{path}: malformed safetensors header: header length {n} exceeds the file size {size} - 8"
+                )
+            header = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        obj = json.loads(header.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: malformed safetensors header: not a UTF-8 JSON object ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: malformed safetensors header: JSON {type(obj).__name__}, expected an object")
+    data_len = size - 8 - n
+    for name, info in obj.items():
+        if name == "__metadata__":
+            continue
+        offs = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
+                and 0 <= offs[0] <= offs[1] <= data_len):
+            raise CheckpointError(
+                f"{path}: malformed safetensors header: tensor {name!r} data_offsets {offs!r}, expected "
+                f"[begin, end] within the {data_len} data bytes"
+            )
+    return prefix + header
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+@contextmanager
+def _h5_errors(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Turn anything h5py/numpy raise on a damaged file into a one-line DumpError naming the file."""
+    try:
+        yield
+    except ParityError:
+        raise
+    except Exception as e:  # h5py raises OSError, KeyError, RuntimeError, ValueError, TypeError, ... on bad files
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise DumpError(f"{path}: {what}: {type(e).__name__}: {msg} (truncated or damaged file?)") from None
+
+
+def _attr_value(v: Any) -> Any:
+    """An h5py attr value as a plain Python value."""
+    if isinstance(v, bytes):
+        return v.decode("utf-8", errors="replace")
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    return v
+
+
+def _is_scalar(v: Any) -> bool:
+    if isinstance(v, (bool, np.bool_, str, float, np.floating)):
+        return True
+    if isinstance(v, (int, np.integer)):
+        return -(2**63) <= int(v) < 2**63
+    return False
+
+
+def _encode_attrs(d: dict, *, where: str) -> tuple[dict, list[str]]:
+    """Scalars as is, everything else JSON-encoded (names returned so the reader can decode them back)."""
+    out, json_keys = {}, []
+    for k, v in d.items():
+        if not isinstance(k, str) or not k:
+            raise DumpError(f"{where}: attribute name {k!r}, expected a non-empty string")
+        if _is_scalar(v):
+            out[k] = v.item() if isinstance(v, np.generic) else v
+        else:
+            try:
+                out[k] = json.dumps(v, sort_keys=True, default=_json_default)
+            except (TypeError, ValueError) as e:
+                raise DumpError(f"{where}: attribute {k!r} is not JSON-serialisable ({e})") from None
+            json_keys.append(k)
+    return out, json_keys
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, (Path, Point)):
+        return o.key() if isinstance(o, Point) else str(o)
+    raise TypeError(f"{type(o).__name__} is not JSON-serialisable")
+
+
+def _decode_attrs(attrs: h5py.AttributeManager, *, where: str) -> dict:
+    raw = {k: _attr_value(attrs[k]) for k in attrs.keys()}
+    json_keys = raw.pop("json_keys", "[]")
+    try:
+        keys = json.loads(json_keys) if isinstance(json_keys, str) else None
+    except json.JSONDecodeError:
+        keys = None
+    if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+        raise DumpError(f"{where}: attr json_keys {json_keys!r}, expected a JSON list of attribute names")
+    for k in keys:
+        if k not in raw:
+            continue
+        try:
+            raw[k] = json.loads(raw[k])
+        except (TypeError, json.JSONDecodeError):
+            raise DumpError(f"{where}: attr {k!r} is listed in json_keys but is not valid JSON") from None
+    return raw
+
+
+def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """~CHUNK_BYTES chunks: whole trailing dims where possible, split along the leading ones."""
+    chunk = list(shape)
+    budget = max(1, CHUNK_BYTES // itemsize)
+    for ax in range(len(shape)):
+        inner = int(np.prod(chunk[ax + 1:], dtype=np.int64)) if ax + 1 < len(shape) else 1
+        if inner * chunk[ax] <= budget:
+            break
+        chunk[ax] = max(1, budget // inner) if inner <= budget else 1
+    return tuple(max(1, c) for c in chunk)
+
+
+def _point_label(point: Point) -> str:
+    return point.key()
+
+
+def _sort_key(p: Point) -> tuple:
+    return (_PHASES.index(p.phase) if p.phase in _PHASES else 9, p.step, -1 if p.layer is None else p.layer, p.site)
+
+
+# ---------------------------------------------------------------------------------------------------- writer
+class DumpWriter:
+    """Streams one dump to `path + ".tmp-<pid>"` and renames it onto `path` only when complete.
+
+    Use as a context manager; a clean exit calls `finish()`, an exception deletes the temporary file. An existing
+    `path` is refused unless `force`, and even then replaced only at the final `os.replace`.
+    """
+
+    def __init__(self, path: str | os.PathLike, meta: dict, *, force: bool = False) -> None:
+        self.path = Path(path)
+        self.force = force
+        self.tmp_path = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        if self.path.exists() and not force:
+            raise DumpError(f"{self.path}: a dump already exists; pass --force (force=True) to replace it")
+        if not self.path.parent.is_dir():
+            raise DumpError(f"{self.path}: parent directory {self.path.parent} does not exist")
+        if not isinstance(meta, dict):
+            raise DumpError(f"{self.path}: meta is a {type(meta).__name__}, expected a dict of root attributes")
+        missing = [k for k in REQUIRED_META if k not in meta]
+        if missing:
+            raise DumpError(f"{self.path}: meta lacks required keys {missing} (DESIGN §4 root attrs)")
+        clash = [k for k in WRITER_META if k in meta]
+        if clash:
+            raise DumpError(f"{self.path}: meta keys {clash} are set by the writer itself")
+        fp = meta["checkpoint_fingerprint"]
+        if not (isinstance(fp, str) and fp):
+            raise DumpError(f"{self.path}: meta checkpoint_fingerprint {fp!r}, expected a non-empty string")
+        meta = dict(meta)
+        # config_json is always a JSON string in the file (DESIGN §4), whether given as a dict or as text.
+        cj = meta["config_json"]
+        if isinstance(cj, dict):
+            meta["config_json"] = json.dumps(cj, sort_keys=True)
+        elif isinstance(cj, str):
+            try:
+                if not isinstance(json.loads(cj), dict):
+                    raise ValueError("not an object")
+            except ValueError as e:
+                raise DumpError(f"{self.path}: meta config_json is not a JSON object ({e})") from None
+        else:
+            raise DumpError(f"{self.path}: meta config_json is a {type(cj).__name__}, expected a dict or JSON text")
+        meta.setdefault("tool_version", _tool_version())
+        attrs, json_keys = _encode_attrs(meta, where=f"{self.path} meta")
+
+        self._written: set[Point] = set()
+        self._stats: set[Point] = set()
+        self._unavailable: dict[str, str] = {}
+        self._tokens = False
+        self._closed = False
+        self._f = h5py.File(self.tmp_path, "w")
+        try:
+            root = self._f.attrs
+            root["schema"] = SCHEMA
+            root["version"] = VERSION
+            root["created_utc"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            for k, v in attrs.items():
+                root[k] = v
+            root["json_keys"] = json.dumps(sorted(json_keys))
+            root["complete"] = False
+            self._f.flush()
+        except BaseException:
+            self._abort()
+            raise
+
+    # -- context manager
+    def __enter__(self) -> "DumpWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self._abort()
+
+    # -- content
+    def write_tokens(self, input_ids: np.ndarray, prompt_len: int) -> None:
+        """`/tokens/input_ids` [B, T_total] int32 (prompt + decode tokens) and `/tokens/prompt_len`."""
+        self._check_open()
+        if self._tokens:
+            raise DumpError(f"{self.tmp_path}: write_tokens called twice (tokens are never overwritten)")
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2 or ids.dtype.kind not in "iu" or ids.size == 0:
+            raise DumpError(f"{self.path}: input_ids {ids.dtype}{list(ids.shape)}, expected a non-empty [B, T] int array")
+        if ids.min() < 0 or ids.max() > np.iinfo(np.int32).max:
+            raise DumpError(f"{self.path}: input_ids range [{ids.min()}, {ids.max()}] does not fit int32 token ids >= 0")
+        if isinstance(prompt_len, (bool, np.bool_)) or not isinstance(prompt_len, (int, np.integer)) \
+                or not 0 < int(prompt_len) <= ids.shape[1]:
+            raise DumpError(f"{self.path}: prompt_len {prompt_len!r}, expected an int in 1..{ids.shape[1]} (T_total)")
+        g = self._f.require_group("tokens")
+        g.create_dataset("input_ids", data=ids.astype(np.int32))
+        g.create_dataset("prompt_len", data=np.int64(prompt_len))
+        self._tokens = True
+
+    def write(self, point: Point, array: np.ndarray, *, module: str = "", io: str = "output",
+              shape_names: str = "") -> None:
+        """One dataset at `point.h5_path()`; bf16 stored as uint16 bits + attr dtype="bfloat16"."""
+        self._check_open()
+        self._check_point(point)
+        if point in self._written:
+            raise DumpError(f"{self.path}: point {point.key()} written twice (nothing is overwritten silently)")
+        if not isinstance(array, np.ndarray):
+            raise DumpError(f"{self.path}: {point.key()}: got a {type(array).__name__}, expected a numpy array")
+        name = array.dtype.name
+        if name not in STORAGE:
+            raise DumpError(f"{self.path}: {point.key()}: dtype {name} not storable; expected one of {sorted(STORAGE)}")
+        if io not in IO_KINDS:
+            raise DumpError(f"{self.path}: {point.key()}: io={io!r}, expected one of {IO_KINDS}")
+        if shape_names and len(shape_names.split(",")) != array.ndim:
+            raise DumpError(f"{self.path}: {point.key()}: shape_names {shape_names!r} names "
+                            f"{len(shape_names.split(','))} dims, the array has shape {array.shape}")
+        data = np.ascontiguousarray(array).view(STORAGE[name])
+        kw: dict = {}
+        if data.ndim > 0 and data.size > 0:
+            kw = dict(chunks=_chunks(data.shape, data.itemsize), **COMPRESSION)
+        ds = self._f.create_dataset(point.h5_path(), data=data, **kw)
+        ds.attrs["dtype"] = name
+        ds.attrs["module"] = str(module)
+        ds.attrs["io"] = io
+        ds.attrs["shape_names"] = str(shape_names)
+        self._written.add(point)
+
+    def write_stats(self, point: Point, stats: dict) -> None:
+        """Statistics-only mode: an empty dataset at `/stats<point path>` whose attrs are `stats` (DESIGN §9)."""
+        self._check_open()
+        self._check_point(point)
+        if point in self._stats:
+            raise DumpError(f"{self.path}: statistics of {point.key()} written twice")
+        if not isinstance(stats, dict):
+            raise DumpError(f"{self.path}: stats of {point.key()} is a {type(stats).__name__}, expected a dict")
+        attrs, json_keys = _encode_attrs(stats, where=f"{self.path} stats of {point.key()}")
+        if "json_keys" in attrs:
+            raise DumpError(f"{self.path}: stats of {point.key()}: key 'json_keys' is reserved")
+        ds = self._f.create_dataset("/stats" + point.h5_path(), data=h5py.Empty("f4"))
+        for k, v in attrs.items():
+            ds.attrs[k] = v
+        ds.attrs["json_keys"] = json.dumps(sorted(json_keys))
+        self._stats.add(point)
+
+    def mark_unavailable(self, point_or_pattern: Point | str, reason: str) -> None:
+        """Record a point (or a site pattern such as `L03/attention.gate`) the runtime cannot provide, and why."""
+        self._check_open()
+        key = point_or_pattern.key() if isinstance(point_or_pattern, Point) else point_or_pattern
+        if not (isinstance(key, str) and key):
+            raise DumpError(f"{self.path}: unavailable pattern {point_or_pattern!r}, expected a Point or a string")
+        if not (isinstance(reason, str) and reason.strip()):
+            raise DumpError(f"{self.path}: unavailable {key}: reason {reason!r}, expected a non-empty string")
+        if key in self._unavailable:
+            raise DumpError(f"{self.path}: {key} marked unavailable twice ({self._unavailable[key]!r}, {reason!r})")
+        if isinstance(point_or_pattern, Point) and point_or_pattern in self._written:
+            raise DumpError(f"{self.path}: {key} was written, it cannot also be unavailable")
+        self._unavailable[key] = reason
+
+    def finish(self) -> Path:
+        """Write the unavailable table, set complete=True, close and rename onto the final path."""
+        if self._closed:
+            return self.path
+        try:
+            if not self._tokens:
+                raise DumpError(f"{self.path}: write_tokens() was never called; a dump without tokens is incomplete")
+            rows = sorted(self._unavailable.items())
+            self._f.create_dataset("unavailable", data=np.array(rows, dtype=object).reshape(len(rows), 2),
+                                   dtype=h5py.string_dtype())
+            self._f.attrs["complete"] = True
+            self._f.flush()
+            self._f.close()
+            self._closed = True
+            if self.path.exists() and not self.force:
+                raise DumpError(f"{self.path}: appeared while writing; the finished dump is left at {self.tmp_path} "
+                                "(pass --force to replace)")
+            os.replace(self.tmp_path, self.path)
+        except BaseException as e:
+            if not (isinstance(e, DumpError) and self._closed):
+                self._abort()
+            raise
+        return self.path
+
+    def _abort(self) -> None:
+        """Close and delete the temporary file; the final path is left as it was."""
+        if not self._closed:
+            try:
+                self._f.close()
+            except Exception:
+                pass
+            self._closed = True
+        try:
+            os.unlink(self.tmp_path)
+        except FileNotFoundError:
+            pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DumpError(f"{self.path}: writer already finished or aborted")
+
+    def _check_point(self, point: Point) -> None:
+        if not isinstance(point, Point):
+            raise DumpError(f"{self.path}: got {point!r}, expected a parity.points.Point")
+        ok = (point.phase == "prefill" and point.step == 0) or (point.phase == "decode" and point.step >= 1)
+        if not ok or (point.layer is not None and point.layer < 0) or not point.site or "/" in point.site:
+            raise DumpError(f"{self.path}: malformed point {point!r}: expected prefill step 0 or decode step >= 1, "
+                            "layer None or >= 0, a site name without '/'")
+
+
+def _tool_version() -> str:
+    import parity
+
+    return parity.__version__
+
+
+# ---------------------------------------------------------------------------------------------------- validator
+def _open(path: Path) -> h5py.File:
+    """Read-only, no HDF5 file locking: several pytest-xdist workers may read one dump at the same time."""
+    if not path.exists():
+        raise DumpError(f"{path}: no such dump file")
+    if not path.is_file():
+        raise DumpError(f"{path}: not a file")
+    try:
+        is_h5 = h5py.is_hdf5(str(path))
+    except Exception:
+        is_h5 = False
+    if not is_h5:
+        raise DumpError(f"{path}: foreign file: not an HDF5 file (no HDF5 signature)")
+    with _h5_errors(path, "cannot open as HDF5"):
+        return h5py.File(path, "r", locking=False)
+
+
+def _validate_open(f: h5py.File, path: Path, expect_fingerprint: str | None) -> dict:
+    """Checks of DESIGN §4 on an open file; returns the decoded root meta."""
+    with _h5_errors(path, "cannot read root attributes"):
+        attrs = f.attrs
+        schema = _attr_value(attrs["schema"]) if "schema" in attrs else None
+        if schema is None:
+            raise DumpError(f"{path}: foreign file: HDF5 without a 'schema' attribute, expected schema={SCHEMA!r}")
+        if schema != SCHEMA:
+            raise DumpError(f"{path}: foreign file: schema={schema!r}, expected {SCHEMA!r}")
+        version = _attr_value(attrs["version"]) if "version" in attrs else None
+        if isinstance(version, bool) or version != VERSION:
+            raise DumpError(f"{path}: unsupported dump version {version!r}; this suite reads version {VERSION}")
+        complete = _attr_value(attrs["complete"]) if "complete" in attrs else None
+        if complete is not True:
+            raise DumpError(f"{path}: incomplete dump (complete={complete!r}): written by a run that did not finish")
+        meta = _decode_attrs(attrs, where=str(path))
+    for k in ("checkpoint_fingerprint", "config_json"):
+        if not isinstance(meta.get(k), str) or not meta[k]:
+            raise DumpError(f"{path}: root attr {k} is {meta.get(k)!r}, expected a non-empty string")
+    try:
+        cfg = json.loads(meta["config_json"])
+    except json.JSONDecodeError as e:
+        raise DumpError(f"{path}: root attr config_json is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise DumpError(f"{path}: root attr config_json holds a JSON {type(cfg).__name__}, expected an object")
+    fp = meta["checkpoint_fingerprint"]
+    if expect_fingerprint is not None and fp != expect_fingerprint:
+        src = meta.get("checkpoint_dir", "an unrecorded directory")
+        raise DumpError(f"{path}: fingerprint mismatch: the dump was made from checkpoint {fp} ({src}), "
+                        f"expected checkpoint {expect_fingerprint}")
+    with _h5_errors(path, "cannot read the dump's groups"):
+        _check_tree(f, path)
+    return meta
+
+
+def _check_tree(f: h5py.File, path: Path) -> None:
+    """Group names of DESIGN §4, tokens, unavailable table, and every dataset's dtype attr against its storage."""
+    allowed_root = {"tokens", "unavailable", "stats", *_PHASES}
+    extra = sorted(set(f.keys()) - allowed_root)
+    if extra:
+        raise DumpError(f"{path}: unexpected root entries {extra}; expected {sorted(allowed_root)}")
+    if "tokens" not in f or not isinstance(f["tokens"], h5py.Group):
+        raise DumpError(f"{path}: /tokens missing")
+    for name, kind in (("input_ids", "iu"), ("prompt_len", "iu")):
+        ds = f["tokens"].get(name)
+        if not isinstance(ds, h5py.Dataset) or ds.dtype.kind not in kind:
+            raise DumpError(f"{path}: /tokens/{name} missing or not an integer dataset")
+    if f["tokens/input_ids"].ndim != 2 or f["tokens/prompt_len"].shape != ():
+        raise DumpError(f"{path}: /tokens/input_ids must be [B, T] and /tokens/prompt_len a scalar")
+    un = f.get("unavailable")
+    if un is not None and not (isinstance(un, h5py.Dataset) and un.ndim == 2 and un.shape[1] == 2
+                               and h5py.check_string_dtype(un.dtype) is not None):
+        raise DumpError(f"{path}: /unavailable is not an [N, 2] string table")
+    for phase in _PHASES:
+        if phase in f:
+            for p, ds in _iter_phase(f, phase, path, prefix=""):
+                _check_dataset(ds, p, path)
+    if "stats" in f:
+        st = f["stats"]
+        if not isinstance(st, h5py.Group) or set(st.keys()) - set(_PHASES):
+            raise DumpError(f"{path}: /stats holds {list(st.keys()) if isinstance(st, h5py.Group) else st}, "
+                            f"expected groups {list(_PHASES)}")
+        for phase in st.keys():
+            for p, ds in _iter_phase(st, phase, path, prefix="/stats"):
+                if ds.shape is not None:
+                    raise DumpError(f"{path}: /stats{p.h5_path()} has data; statistics are attrs of an empty dataset")
+
+
+def _check_dataset(ds: h5py.Dataset, p: Point, path: Path) -> None:
+    dtype = _attr_value(ds.attrs["dtype"]) if "dtype" in ds.attrs else None
+    if dtype not in STORAGE:
+        raise DumpError(f"{path}: {p.key()}: dtype attr {dtype!r} is unknown; expected one of {sorted(STORAGE)}")
+    if ds.dtype != STORAGE[dtype]:
+        raise DumpError(f"{path}: {p.key()}: dtype attr {dtype!r} is inconsistent with its storage {ds.dtype} "
+                        f"(expected {STORAGE[dtype]})")
+
+
+def _iter_phase(root: h5py.Group, phase: str, path: Path, prefix: str) -> Iterator[tuple[Point, h5py.Dataset]]:
+    """(Point, dataset) under /<phase>, checking the group names of DESIGN §4 on the way."""
+    g = root[phase]
+    if not isinstance(g, h5py.Group):
+        raise DumpError(f"{path}: {prefix}/{phase} is not a group")
+    if phase == "prefill":
+        steps = [(0, g)]
+    else:
+        steps = []
+        for name in g.keys():
+            m = _STEP_RE.match(name)
+            if not m or int(m.group(1)) < 1 or not isinstance(g[name], h5py.Group):
+                raise DumpError(f"{path}: {prefix}/decode/{name}: expected decode step groups S001, S002, ...")
+            steps.append((int(m.group(1)), g[name]))
+    for step, sg in steps:
+        for lname in sg.keys():
+            if lname == "model":
+                layer = None
+            else:
+                m = _LAYER_RE.match(lname)
+                if not m:
+                    raise DumpError(f"{path}: {sg.name}/{lname}: expected 'model' or a layer group L00, L01, ...")
+                layer = int(m.group(1))
+            lg = sg[lname]
+            if not isinstance(lg, h5py.Group):
+                raise DumpError(f"{path}: {lg.name}: expected a group of site datasets")
+            for site in lg.keys():
+                ds = lg[site]
+                if not isinstance(ds, h5py.Dataset):
+                    raise DumpError(f"{path}: {ds.name}: expected a dataset, found a group")
+                yield Point(phase, step, layer, site), ds
+
+
+def validate_dump(path: str | os.PathLike, *, expect_fingerprint: str | None = None) -> dict:
+    """Validate a dump file (schema, version, complete, fingerprint, tree, dtype attrs); return its root meta.
+
+    Raises a one-line DumpError for a foreign, truncated, incomplete, mismatched or malformed file.
+    """
+    p = Path(path)
+    f = _open(p)
+    try:
+        return _validate_open(f, p, expect_fingerprint)
+    finally:
+        with _h5_errors(p, "cannot close"):
+            f.close()
+
+
+# ---------------------------------------------------------------------------------------------------- reader
+class DumpReader:
+    """Lazy read-only view of a validated dump. Safe to open from several processes at once (no HDF5 locking)."""
+
+    def __init__(self, path: str | os.PathLike, *, expect_fingerprint: str | None = None) -> None:
+        self.path = Path(path)
+        self._f: h5py.File | None = _open(self.path)
+        try:
+            self.meta: dict = _validate_open(self._f, self.path, expect_fingerprint)
+            self._index = self._build_index()
+        except BaseException:
+            self.close()
+            raise
+        self._config = None
+
+    # -- lifecycle
+    def close(self) -> None:
+        if self._f is not None:
+            try:
+                self._f.close()
+            except Exception:
+                pass
+            self._f = None
+
+    def __enter__(self) -> "DumpReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DumpReader({str(self.path)!r}, {len(self._index)} points)"
+
+    # -- root metadata
+    @property
+    def fingerprint(self) -> str:
+        return self.meta["checkpoint_fingerprint"]
+
+    @property
+    def config(self):
+        """The dump's Ling3Config (non-strict: a newer config with extra keys still reads)."""
+        if self._config is None:
+            from parity.config import Ling3Config
+
+            try:
+                self._config = Ling3Config.from_dict(json.loads(self.meta["config_json"]),
+                                                     source=f"{self.path}:config_json", strict=False)
+            except ConfigError as e:
+                raise DumpError(f"{self.path}: root attr config_json is not a usable Ling3 config: {e}") from None
+        return self._config
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        with _h5_errors(self.path, "cannot read /tokens/input_ids"):
+            return self._file["tokens/input_ids"][()]
+
+    @property
+    def prompt_len(self) -> int:
+        with _h5_errors(self.path, "cannot read /tokens/prompt_len"):
+            return int(self._file["tokens/prompt_len"][()])
+
+    # -- structure
+    def phases(self) -> list[str]:
+        return [ph for ph in _PHASES if any(p.phase == ph for p in self._index)]
+
+    def steps(self, phase: str) -> list[int]:
+        return sorted({p.step for p in self._index if p.phase == phase})
+
+    def layers(self, phase: str, step: int) -> list[int | None]:
+        """Layers with data at (phase, step); model-level sites are layer None (listed first)."""
+        ls = {p.layer for p in self._index if p.phase == phase and p.step == step}
+        return ([None] if None in ls else []) + sorted(x for x in ls if x is not None)
+
+    def sites(self, phase: str, step: int, layer: int | None) -> list[str]:
+        return sorted(p.site for p in self._index if (p.phase, p.step, p.layer) == (phase, step, layer))
+
+    def points(self) -> list[Point]:
+        """Every data point, in (phase, step, layer, site) order with model-level first within a step."""
+        return sorted(self._index, key=_sort_key)
+
+    def stats_points(self) -> list[Point]:
+        """Points that have statistics (statistics-only mode)."""
+        return sorted(self._stats_index, key=_sort_key)
+
+    def has(self, point: Point) -> bool:
+        return point in self._index
+
+    # -- data
+    def read(self, point: Point, index: Any = ()) -> np.ndarray:
+        """The array of a point (optionally `index`-sliced, read lazily); bf16 comes back as ml_dtypes.bfloat16."""
+        ds = self._dataset(point)
+        with _h5_errors(self.path, f"cannot read {point.key()}"):
+            a = np.asarray(ds[index])
+            dtype = _attr_value(ds.attrs["dtype"])
+            return a.view(ml_dtypes.bfloat16) if dtype == "bfloat16" else a
+
+    def attrs(self, point: Point) -> dict:
+        ds = self._dataset(point)
+        with _h5_errors(self.path, f"cannot read attributes of {point.key()}"):
+            return {k: _attr_value(v) for k, v in ds.attrs.items()}
+
+    def shape(self, point: Point) -> tuple[int, ...]:
+        return tuple(self._dataset(point).shape)
+
+    def unavailable(self) -> dict[str, str]:
+        """{point key or site pattern: reason} for what the runtime could not provide."""
+        with _h5_errors(self.path, "cannot read /unavailable"):
+            if "unavailable" not in self._file:
+                return {}
+            rows = self._file["unavailable"][()]
+            return {_attr_value(k): _attr_value(r) for k, r in rows}
+
+    def stats(self, point: Point) -> dict:
+        """Statistics written by `DumpWriter.write_stats` for a point."""
+        if point not in self._stats_index:
+            raise DumpError(f"{point.key()}: no statistics in dump {self.path} "
+                            f"({len(self._stats_index)} points have statistics)")
+        with _h5_errors(self.path, f"cannot read statistics of {point.key()}"):
+            return _decode_attrs(self._file["/stats" + point.h5_path()].attrs, where=f"{self.path} stats {point.key()}")
+
+    # -- internals
+    @property
+    def _file(self) -> h5py.File:
+        if self._f is None:
+            raise DumpError(f"{self.path}: reader is closed")
+        return self._f
+
+    def _build_index(self) -> set[Point]:
+        with _h5_errors(self.path, "cannot list the dump's points"):
+            f = self._file
+            idx = {p for ph in _PHASES if ph in f for p, _ in _iter_phase(f, ph, self.path, "")}
+            st = f.get("stats")
+            self._stats_index = {p for ph in _PHASES if st is not None and ph in st
+                                 for p, _ in _iter_phase(st, ph, self.path, "/stats")}
+            return idx
+
+    def _dataset(self, point: Point) -> h5py.Dataset:
+        if point not in self._index:
+            raise DumpError(self._missing_message(point))
+        with _h5_errors(self.path, f"cannot open {point.key()}"):
+            return self._file[point.h5_path()]
+
+    def _missing_message(self, point: Point) -> str:
+        here = self.sites(point.phase, point.step, point.layer)
+        lay = "model" if point.layer is None else f"L{point.layer:02d}"
+        if here:
+            has = f"the dump has sites {', '.join(here)} at {point.phase}/{lay}"
+        else:
+            ls = ["model" if x is None else f"L{x:02d}" for x in self.layers(point.phase, point.step)]
+            has = (f"the dump has layers {', '.join(ls)} at {point.phase} step {point.step}" if ls
+                   else f"the dump has phases/steps {[(ph, self.steps(ph)) for ph in self.phases()]}")
+        why = self.unavailable().get(point.key()) or self.unavailable().get(f"{lay}/{point.site}")
+        return f"{point.key()} not in dump {self.path}; " + (f"marked unavailable: {why}; " if why else "") + has
