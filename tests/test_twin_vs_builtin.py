@@ -218,3 +218,57 @@ def test_twin_kda_gate_and_l2norm_formulas():
     np.testing.assert_allclose(tw.kda_gate(a, A_log, dt_bias, None).numpy(), sp, rtol=2e-6, atol=1e-6)
     qn = an / np.sqrt((an**2).sum(-1, keepdims=True) + 1e-6)
     np.testing.assert_allclose(tw.l2_normalize(a).numpy(), qn, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- official-quirk switches (default off)
+def _prefix_gap(model, ids, n=10) -> float:
+    """Causality probe: logits of the first n positions from the full prompt vs from the n-token prefix."""
+    with torch.no_grad():
+        return (model(ids).logits[:, :n] - model(ids[:, :n]).logits).abs().max().item()
+
+
+def test_quirk_noncausal_sdpa(tiny_ckpt):
+    """Default attn_implementation is sdpa (as for the official file); the sdpa mask helper then yields None for a
+    plain prefill. Twin: still causal (gap ~5e-6); quirk on: MLA attends bidirectionally (measured gap ~2.1)."""
+    from transformers import AutoModelForCausalLM
+
+    ids = _ids(30)
+    with _env(LING3_TWIN_KERNELS="torch"):
+        ok = AutoModelForCausalLM.from_pretrained(tiny_ckpt, trust_remote_code=True, dtype=torch.float32)
+        bad = AutoModelForCausalLM.from_pretrained(tiny_ckpt, trust_remote_code=True, dtype=torch.float32,
+                                                   twin_quirk_noncausal_sdpa=True)
+    assert ok.config._attn_implementation == "sdpa"
+    assert _prefix_gap(ok, ids) < 1e-4
+    assert _prefix_gap(bad, ids) > 0.1
+
+
+def test_quirk_uninit_inv_freq(tiny_ckpt):
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_twin(tiny_ckpt).config
+    r = cfg.qk_rope_head_dim
+    want = torch.tensor([cfg.rope_theta ** (-2 * j / r) for j in range(r // 2)], dtype=torch.float64).float()
+    ok = AutoModelForCausalLM.from_pretrained(tiny_ckpt, trust_remote_code=True, dtype=torch.float32)
+    bad = AutoModelForCausalLM.from_pretrained(tiny_ckpt, trust_remote_code=True, dtype=torch.float32,
+                                               twin_quirk_uninit_inv_freq=True)
+    torch.testing.assert_close(ok.model.rotary_emb.inv_freq, want, rtol=1e-6, atol=0)
+    assert not torch.allclose(bad.model.rotary_emb.inv_freq, want, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("quirk", [False, True])
+def test_manual_decode_without_positions(tiny_ckpt, quirk):
+    """Manual decode with no position_ids / cache_position. Twin: positions from the first MLA layer's cache, equal
+    to the full forward (≤ 1.2e-5 measured); quirk on: positions from layer 0 (KDA, reports 0) — logits off (~1-2)."""
+    m = load_twin(tiny_ckpt, twin_quirk_cache_len_from_layer0=quirk)
+    ids = _ids(24, seed=3)
+    with torch.no_grad():
+        full = m(ids).logits
+        out = m(ids[:, :20], use_cache=True)
+        pkv, gaps = out.past_key_values, []
+        for t in range(20, 24):
+            out = m(ids[:, t:t + 1], past_key_values=pkv, use_cache=True)
+            gaps.append((out.logits[0, -1] - full[0, t]).abs().max().item())
+    if quirk:
+        assert min(gaps) > 0.05, gaps
+    else:
+        assert max(gaps) < 1e-4, gaps
