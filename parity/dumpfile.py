@@ -361,7 +361,8 @@ class DumpWriter:
         if shape_names and len(shape_names.split(",")) != array.ndim:
             raise DumpError(f"{self.path}: {point.key()}: shape_names {shape_names!r} names "
                             f"{len(shape_names.split(','))} dims, the array has shape {array.shape}")
-        data = np.ascontiguousarray(array).view(STORAGE[name])
+        # (np.ascontiguousarray would turn a 0-d array into 1-d)
+        data = np.array(array, order="C", copy=not array.flags.c_contiguous).view(STORAGE[name])
         kw: dict = {}
         if data.ndim > 0 and data.size > 0:
             kw = dict(chunks=_chunks(data.shape, data.itemsize), **COMPRESSION)
