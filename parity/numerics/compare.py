@@ -1,0 +1,303 @@
+"""Compare one point: `compare(ref, test, rule) -> Verdict` (DESIGN §5 hybrid rule). numpy + ml_dtypes only.
+
+Float tensors, on the grid of dtype `D` = the `dtype` argument, else `rule.compare_dtype`, else the reference's dtype
+(both sides rounded RNE to `D`; an fp32 tensor compared "in bf16" is rounded first):
+ 0. NaN / +Inf / -Inf are classes (parity.numerics.ulp): a class mismatch (NaN or Inf where the other side is finite,
+    +Inf vs -Inf, NaN vs Inf) is a failure counted in `nan_inf_mismatches` and left out of every statistic; matching
+    NaN/NaN, +Inf/+Inf, -Inf/-Inf count as equal (0 ULP).
+ 1. absolute floor: an element with |a - b| ≤ floor_ulps · ulp_D(RMS of the finite reference values of its row)
+    passes (row = last axis; a 0-d tensor is one row). Its *effective* ULP distance is 0.
+ 2. every other element gets its ULP distance on D's monotone integer line (its effective ULP distance).
+ 3. pass iff no NaN/Inf mismatch, at most `allowed_over_count(allowed_fraction, n)` elements have an effective ULP
+    distance above `max_ulps`, none is above `hard_ulps` (each limit only if not off), and — if the rule has rtol/atol
+    (the fp32 tier) — every element outside the floor has |a - b| ≤ atol + rtol·|ref| (elementwise, as
+    torch.testing.assert_close; rtol/atol off count as 0).
+Statistics: `max_ulp`, `p50/p99/p999_ulp` are effective (after the floor) — the numbers the rule judges;
+`max_ulp_raw`, `frac_exact`, `frac_le1_ulp` use the raw ULP distance (bit-level facts); rel-L2, cosine and |Δ| use the
+finite pairs in float64. Percentiles are attained values (numpy "inverted_cdf": p99 = smallest v with ≥ 99 % ≤ v).
+
+Integer / bool tensors (e.g. router top-k ids) compare exactly; the rule is recorded but not used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from parity.errors import ParityError
+from parity.numerics.tolerances import ToleranceRule
+from parity.numerics.ulp import (CLASS_NAMES, FINITE, dtype_name, to_dtype, ulp_distance, ulp_of,
+                                 value_class)
+
+
+class ComparisonError(ParityError):
+    """Two tensors that cannot be compared at all (shape mismatch, no ULP convention for the dtype, ...)."""
+
+
+def allowed_over_count(allowed_fraction: float, n: int) -> int:
+    """How many of n elements may be above max_ulps: floor(allowed_fraction · n), with the fraction taken as
+    written in decimal (0.001 · 1000 = 1, 0.3 · 10 = 3) so binary rounding of the fraction never costs an element."""
+    return int(math.floor(Fraction(repr(float(allowed_fraction))) * n))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome and statistics of one comparison. Index tuples are into the compared tensors' shape."""
+
+    passed: bool
+    name: str
+    n: int
+    shape: tuple[int, ...]
+    dtype: str  # grid the comparison ran on (or the integer dtype)
+    max_ulp: int | None  # effective (after the floor)
+    p50_ulp: int | None
+    p99_ulp: int | None
+    p999_ulp: int | None
+    max_ulp_raw: int | None  # before the floor
+    frac_exact: float | None  # bit-equal (±0 equal, matching NaN/Inf equal)
+    frac_le1_ulp: float | None
+    n_floored: int  # elements with |Δ| > 0 passed by the absolute floor
+    floor_abs_max: float | None  # largest absolute floor of any row
+    n_over: int  # effective ULP above max_ulps
+    frac_over: float
+    allowed_over: int  # how many may be above max_ulps
+    n_hard: int  # effective ULP above hard_ulps
+    n_tol_fail: int  # outside the floor and outside atol + rtol·|ref|
+    rel_l2: float | None
+    cosine: float | None
+    max_abs_diff: float | None
+    max_abs_index: tuple[int, ...] | None
+    worst_index: tuple[int, ...] | None  # greatest effective ULP; else greatest |Δ|; None if all equal
+    worst_ulp: int | None
+    worst_ref: float | None
+    worst_test: float | None
+    nan_inf_mismatches: int
+    first_nan_inf_index: tuple[int, ...] | None
+    first_nan_inf_ref: float | None
+    first_nan_inf_test: float | None
+    rule: dict
+    min_passing_max_ulps: int | None  # smallest max_ulps that passes the fraction criterion
+    min_passing_hard_ulps: int | None  # smallest hard_ulps that passes (= max_ulp)
+
+    def to_dict(self) -> dict:
+        """JSON-able: tuples become lists, non-finite floats become the strings 'nan', 'inf', '-inf'."""
+        return {k: _jsonable(v) for k, v in asdict(self).items()}
+
+    def message(self) -> str:
+        """Multi-line explanation in the style of torch.testing.assert_close."""
+        where = f" [{self.name}]" if self.name else ""
+        if self.max_ulp is None and self.rel_l2 is None and self.n and self.nan_inf_mismatches == 0:  # integers
+            if self.passed:
+                return f"Tensors are equal{where}: {self.n} {self.dtype} elements compared exactly."
+            return (f"Tensors are not equal{where} ({self.dtype}, exact comparison)\n\n"
+                    f"Mismatched elements: {self.n_over} / {self.n} ({_pct(self.frac_over)})\n"
+                    f"Greatest absolute difference: {_g(self.max_abs_diff)} at index {self.worst_index} "
+                    f"(ref {_g(self.worst_ref)}, test {_g(self.worst_test)})")
+        rule = ToleranceRule(**self.rule).describe()
+        head = "Tensor-likes are close" if self.passed else "Tensor-likes are not close!"
+        lines = [f"{head}{where} compared in {self.dtype} (rule: {rule})", ""]
+        r = self.rule
+        if r["max_ulps"] is not None:
+            lines.append(f"Mismatched elements: {self.n_over} / {self.n} ({_pct(self.frac_over)}) above "
+                         f"{r['max_ulps']} ULP after the floor (allowed {_pct(r['allowed_fraction'])} = "
+                         f"{self.allowed_over} element{'s' * (self.allowed_over != 1)})")
+        if r["hard_ulps"] is not None and self.n_hard:
+            lines.append(f"Elements above the hard limit of {r['hard_ulps']} ULP: {self.n_hard}")
+        if r["rtol"] is not None or r["atol"] is not None:
+            lines.append(f"Elements outside |Δ| ≤ atol + rtol·|ref| (rtol {r['rtol'] or 0:g}, atol {r['atol'] or 0:g}) "
+                         f"after the floor: {self.n_tol_fail} / {self.n}")
+        if self.nan_inf_mismatches:
+            lines.append(f"NaN/Inf mismatches: {self.nan_inf_mismatches}, first at index {self.first_nan_inf_index} "
+                         f"(ref {_g(self.first_nan_inf_ref)}, test {_g(self.first_nan_inf_test)})")
+        if self.worst_index is not None:
+            d = abs(self.worst_ref - self.worst_test)
+            lines.append(f"Greatest ULP distance: {self.worst_ulp} at index {self.worst_index} "
+                         f"(ref {_g(self.worst_ref)}, test {_g(self.worst_test)}, |Δ| {_g(d)})")
+            lines.append(f"Greatest absolute difference: {_g(self.max_abs_diff)} at index {self.max_abs_index}")
+        if self.max_ulp is not None:
+            lines.append(f"ULP after the floor: p50 {self.p50_ulp}, p99 {self.p99_ulp}, p99.9 {self.p999_ulp}, max "
+                         f"{self.max_ulp} (before the floor: max {self.max_ulp_raw}; {self.n_floored} element(s) "
+                         f"passed by the floor |Δ| ≤ {_g(self.floor_abs_max)})")
+            lines.append(f"Exact {_pct(self.frac_exact)}, ≤ 1 ULP {_pct(self.frac_le1_ulp)}, rel-L2 {_g(self.rel_l2)}, "
+                         f"cosine {_g(self.cosine, 9)}")
+        if not self.passed:
+            if self.nan_inf_mismatches:
+                lines.append("No ULP tolerance passes while NaN/Inf classes differ.")
+            elif self.min_passing_max_ulps is not None:
+                fix = []
+                if r["max_ulps"] is not None and self.n_over > self.allowed_over:
+                    fix.append(f"max_ulps ≥ {self.min_passing_max_ulps}")
+                if r["hard_ulps"] is not None and self.n_hard:
+                    fix.append(f"hard_ulps ≥ {self.min_passing_hard_ulps}")
+                if fix:
+                    lines.append("Would pass with " + " and ".join(fix) +
+                                 (" (and a wider rtol/atol)" if self.n_tol_fail else "") + ".")
+        return "\n".join(lines)
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, (tuple, list)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    return v
+
+
+def _g(x: Any, digits: int = 8) -> str:
+    return "-" if x is None else (f"{x:.{digits}g}" if isinstance(x, float) else str(x))
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.3g}%"
+
+
+def _index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(int(flat), shape))
+
+
+def compare(ref: Any, test: Any, rule: ToleranceRule, *, name: str = "", dtype: Any = None) -> Verdict:
+    """Compare `test` against the reference `ref` under `rule` (module docstring). Never raises on values
+    (NaN/Inf are data); raises ComparisonError on a shape mismatch or a dtype with no comparison convention."""
+    ref, test = np.asarray(ref), np.asarray(test)
+    label = f"compare[{name}]" if name else "compare"
+    if ref.shape != test.shape:
+        raise ComparisonError(f"{label}: shape mismatch: reference {ref.shape}, test {test.shape}")
+    for side, a in (("reference", ref), ("test", test)):
+        if a.dtype.kind not in "biuf" and a.dtype.name != "bfloat16":
+            raise ComparisonError(f"{label}: {side} has dtype {a.dtype}; expected a float, integer or bool tensor")
+    if ref.dtype.kind in "biu":
+        if dtype is not None:
+            raise ComparisonError(f"{label}: reference is {ref.dtype}; integer tensors compare exactly, not in {dtype}")
+        return _compare_exact(ref, test, rule, name)
+    try:
+        cdt = dtype_name(dtype or rule.compare_dtype or ref.dtype)
+    except ParityError as e:
+        raise ComparisonError(f"{label}: {e}; pass dtype= to choose the grid") from None
+    return _compare_float(to_dtype(ref, cdt), to_dtype(test, cdt), rule, name, cdt)
+
+
+def _compare_exact(ref: np.ndarray, test: np.ndarray, rule: ToleranceRule, name: str) -> Verdict:
+    n = ref.size
+    exact_ints = test.dtype.kind in "biu"
+    r = ref.astype(np.int64) if exact_ints else ref.astype(np.float64)
+    t = test.astype(np.int64) if exact_ints else test.astype(np.float64)
+    bad = ~(r == t)  # NaN in a float test compares unequal
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(r.astype(np.float64) - t.astype(np.float64)).ravel()
+    n_bad = int(bad.sum())
+    worst = None
+    if n_bad:
+        d = np.where(bad.ravel(), np.nan_to_num(diff, nan=np.inf), -1.0)
+        worst = int(np.argmax(d))
+    return Verdict(
+        passed=n_bad == 0, name=name, n=n, shape=tuple(ref.shape), dtype=str(ref.dtype),
+        max_ulp=None, p50_ulp=None, p99_ulp=None, p999_ulp=None, max_ulp_raw=None,
+        frac_exact=(n - n_bad) / n if n else None, frac_le1_ulp=None, n_floored=0, floor_abs_max=None,
+        n_over=n_bad, frac_over=n_bad / n if n else 0.0, allowed_over=0, n_hard=0, n_tol_fail=0,
+        rel_l2=None, cosine=None,
+        max_abs_diff=float(diff[worst]) if worst is not None else (0.0 if n else None),
+        max_abs_index=_index(worst, ref.shape) if worst is not None else None,
+        worst_index=_index(worst, ref.shape) if worst is not None else None, worst_ulp=None,
+        worst_ref=float(ref.ravel()[worst]) if worst is not None else None,
+        worst_test=float(test.ravel()[worst]) if worst is not None else None,
+        nan_inf_mismatches=0, first_nan_inf_index=None, first_nan_inf_ref=None, first_nan_inf_test=None,
+        rule=rule.to_dict(), min_passing_max_ulps=None, min_passing_hard_ulps=None)
+
+
+def _row_rms(rv: np.ndarray, finite: np.ndarray) -> np.ndarray:
+    """RMS over the last axis of the finite reference values (keepdims; a 0-d tensor is one row)."""
+    x = np.where(finite, rv, 0.0)
+    if x.ndim == 0:
+        return np.sqrt(x * x)
+    count = np.maximum(finite.sum(axis=-1, keepdims=True), 1)
+    return np.sqrt((x * x).sum(axis=-1, keepdims=True) / count)
+
+
+def _compare_float(r: np.ndarray, t: np.ndarray, rule: ToleranceRule, name: str, cdt: str) -> Verdict:
+    shape, n = tuple(r.shape), r.size
+    cr, ct = value_class(r), value_class(t)
+    mism = cr != ct  # class mismatch: failure, excluded from statistics
+    fin = (cr == FINITE) & (ct == FINITE)
+    valid = ~mism
+    rv = np.where(cr == FINITE, r.astype(np.float64), 0.0)
+    tv = np.where(ct == FINITE, t.astype(np.float64), 0.0)
+    diff = np.where(fin, np.abs(rv - tv), 0.0)
+    raw = np.where(fin, ulp_distance(r, t), 0)  # matching NaN/Inf pairs: 0
+
+    # 1. absolute floor, per row (DESIGN §5)
+    floor_abs = rule.floor_ulps * ulp_of(_row_rms(rv, cr == FINITE), cdt)
+    within = fin & (diff <= floor_abs)
+    # 2. effective ULP distance
+    eff = np.where(within, 0, raw)
+    # 3. criteria
+    allowed = allowed_over_count(rule.allowed_fraction, n)
+    n_over = int((valid & (eff > rule.max_ulps)).sum()) if rule.max_ulps is not None else 0
+    n_hard = int((valid & (eff > rule.hard_ulps)).sum()) if rule.hard_ulps is not None else 0
+    n_tol_fail = 0
+    if rule.has_allclose:
+        lim = (rule.atol or 0.0) + (rule.rtol or 0.0) * np.abs(rv)
+        n_tol_fail = int((fin & ~within & (diff > lim)).sum())
+    n_mism = int(mism.sum())
+    passed = n_mism == 0 and n_over <= allowed and n_hard == 0 and n_tol_fail == 0
+
+    # statistics
+    e_valid = eff[valid]
+    stats: dict[str, Any] = dict(max_ulp=None, p50_ulp=None, p99_ulp=None, p999_ulp=None, max_ulp_raw=None,
+                                 min_passing_max_ulps=None, min_passing_hard_ulps=None)
+    if e_valid.size:
+        p50, p99, p999 = np.percentile(e_valid, [50, 99, 99.9], method="inverted_cdf")
+        k = min(allowed, e_valid.size - 1)
+        kth_largest = int(np.partition(e_valid, e_valid.size - 1 - k)[e_valid.size - 1 - k])
+        stats.update(max_ulp=int(e_valid.max()), p50_ulp=int(p50), p99_ulp=int(p99), p999_ulp=int(p999),
+                     max_ulp_raw=int(raw[valid].max()),
+                     # count(eff > M) ≤ allowed  ⟺  M ≥ the (allowed+1)-th largest effective distance
+                     min_passing_max_ulps=kth_largest if allowed < e_valid.size else 0,
+                     min_passing_hard_ulps=int(e_valid.max()))
+    frac_exact = float((valid & (raw == 0)).sum() / n) if n else None
+    frac_le1 = float((valid & (raw <= 1)).sum() / n) if n else None
+
+    rf, tf = rv[fin], tv[fin]
+    nr, nt = float(np.sqrt((rf * rf).sum())), float(np.sqrt((tf * tf).sum()))
+    nd = float(np.sqrt(((tf - rf) ** 2).sum()))
+    rel_l2 = (nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf)) if rf.size else None
+    if not rf.size:
+        cosine = None
+    elif nr > 0 and nt > 0:
+        cosine = float(np.clip((rf * tf).sum() / (nr * nt), -1.0, 1.0))
+    else:
+        cosine = 1.0 if nr == nt else 0.0
+
+    flat_eff = np.where(valid, eff, -1).ravel()
+    flat_diff = diff.ravel()
+    max_abs_i = int(np.argmax(flat_diff)) if n else None
+    if n and flat_eff.max() > 0:
+        worst = int(np.argmax(flat_eff))
+    elif n and flat_diff[max_abs_i] > 0:
+        worst = max_abs_i
+    else:
+        worst = None
+    first_bad = int(np.flatnonzero(mism.ravel())[0]) if n_mism else None
+    return Verdict(
+        passed=passed, name=name, n=n, shape=shape, dtype=cdt,
+        frac_exact=frac_exact, frac_le1_ulp=frac_le1,
+        n_floored=int((within & (diff > 0)).sum()),
+        floor_abs_max=float(np.max(floor_abs)) if n else None,
+        n_over=n_over, frac_over=n_over / n if n else 0.0, allowed_over=allowed, n_hard=n_hard,
+        n_tol_fail=n_tol_fail, rel_l2=rel_l2, cosine=cosine,
+        max_abs_diff=float(flat_diff[max_abs_i]) if n and fin.any() else None,
+        max_abs_index=_index(max_abs_i, shape) if n and fin.any() else None,
+        worst_index=_index(worst, shape) if worst is not None else None,
+        worst_ulp=int(flat_eff[worst]) if worst is not None else None,
+        worst_ref=float(rv.ravel()[worst]) if worst is not None else None,
+        worst_test=float(tv.ravel()[worst]) if worst is not None else None,
+        nan_inf_mismatches=n_mism,
+        first_nan_inf_index=_index(first_bad, shape) if first_bad is not None else None,
+        first_nan_inf_ref=float(r.astype(np.float64).ravel()[first_bad]) if first_bad is not None else None,
+        first_nan_inf_test=float(t.astype(np.float64).ravel()[first_bad]) if first_bad is not None else None,
+        rule=rule.to_dict(), **stats)

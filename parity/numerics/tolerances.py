@@ -1,0 +1,303 @@
+"""Tolerance rules as data (DESIGN §5): a table (site glob × replay-mode glob × dtype [× compute dtype]) → rule.
+
+A `ToleranceRule` is the hybrid criterion of `parity.numerics.compare`:
+  floor_ulps        absolute floor: |a - b| ≤ floor_ulps · ulp(RMS of the reference row) always passes
+  max_ulps          elements above it (after the floor) may make up at most `allowed_fraction` of the tensor
+  allowed_fraction  in [0, 1]
+  hard_ulps         no element (after the floor) may be above it
+  rtol, atol        optional allclose tier: every element outside the floor must have |a - b| ≤ atol + rtol·|ref|
+  compare_dtype     compare on this dtype's grid instead of the reference's own (e.g. fp32 router logits of a bf16
+                    run judged in bf16 ULPs); None = the reference's dtype
+`max_ulps`, `hard_ulps`, `rtol`, `atol`, `compare_dtype` may be "off" (None). A rule with no criterion left
+(max_ulps, hard_ulps, rtol and atol all off) is rejected: it could never fail.
+
+Table lookup, `RulesTable.rule_for(site, mode, dtype, compute_dtype=None)` — **first match wins, per field**:
+for each field, the first entry in table order whose four patterns all match gives its value; entries may set only
+some fields (the rest come from later, more general entries). So write files most-specific-first and end with
+catch-alls. `a.merged(b)` puts b's entries before a's: overrides win. Patterns are `fnmatch` globs (case-sensitive)
+on the canonical site name (e.g. `attention.*`, `mlp.gate.logits`, `attention.dense:in`), the replay mode
+(`layer`, `free`, `forced`, ...), the tensor's dtype and the run's compute dtype (`compute`, default "*"; when the
+caller gives no compute dtype only "*" matches it).
+
+File format (TOML, read with tomllib):
+    [[rule]]
+    site = "mlp.*"         # optional, default "*"
+    mode = "layer"         # optional, default "*"
+    dtype = "bfloat16"     # optional, default "*"
+    compute = "float32"    # optional, default "*"
+    max_ulps = 8           # any subset of the rule fields
+    note = "why"           # optional free text
+CLI override strings: `SITE:MODE:DTYPE:field=value[,field=value...]`, e.g. `mlp.*:layer:bfloat16:max_ulps=8,hard_ulps=64`
+(`compute=float32` may appear among the fields; SITE may itself contain ':' as in `attention.dense:in`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import math
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from parity.errors import ToleranceError
+from parity.numerics.ulp import DTYPE_NAMES
+
+DEFAULT_FILE = "default_tolerances.toml"
+SCHEMA = "ling3-parity-tolerances"
+RULE_FIELDS = ("floor_ulps", "max_ulps", "allowed_fraction", "hard_ulps", "rtol", "atol", "compare_dtype")
+REQUIRED_FIELDS = ("floor_ulps", "max_ulps", "allowed_fraction", "hard_ulps")
+KEY_FIELDS = ("site", "mode", "dtype", "compute")
+_OFF = ("off", "none")
+
+
+# ------------------------------------------------------------------------------------------------ field checks
+def _check_field(field: str, value: Any) -> Any:
+    """Validated (and normalised) value of one rule field; raises ValueError with what was expected."""
+    nullable = field not in ("floor_ulps", "allowed_fraction")
+    if nullable and (value is None or (isinstance(value, str) and value.lower() in _OFF)):
+        return None
+    if field == "compare_dtype":
+        if value not in DTYPE_NAMES:
+            raise ValueError(f"expected one of {', '.join(DTYPE_NAMES)} or 'off'")
+        return value
+    is_num = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if field in ("max_ulps", "hard_ulps"):
+        if not is_num or not math.isfinite(value) or value < 0 or int(value) != value:
+            raise ValueError("expected an integer ≥ 0 or 'off'")
+        return int(value)
+    if field == "allowed_fraction":
+        if not is_num or not 0 <= value <= 1:
+            raise ValueError("expected a number in [0, 1]")
+        return float(value)
+    if field in ("floor_ulps", "rtol", "atol"):
+        if not is_num or not math.isfinite(value) or value < 0:
+            raise ValueError("expected a finite number ≥ 0" + ("" if field == "floor_ulps" else " or 'off'"))
+        return float(value)
+    raise ValueError(f"unknown field; expected one of {', '.join(KEY_FIELDS + RULE_FIELDS)}")
+
+
+def _check_pattern(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("expected a non-empty glob string")
+    if key in ("dtype", "compute") and not any(c in value for c in "*?[") and value not in DTYPE_NAMES:
+        raise ValueError(f"expected one of {', '.join(DTYPE_NAMES)} or a glob such as '*'")
+    return value
+
+
+@dataclass(frozen=True)
+class ToleranceRule:
+    """One resolved rule (see the module docstring for the meaning of each field)."""
+
+    floor_ulps: float
+    max_ulps: int | None
+    allowed_fraction: float
+    hard_ulps: int | None
+    rtol: float | None = None
+    atol: float | None = None
+    compare_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for f in RULE_FIELDS:
+            try:
+                object.__setattr__(self, f, _check_field(f, getattr(self, f)))
+            except ValueError as e:
+                raise ToleranceError(f"ToleranceRule: {f} = {getattr(self, f)!r}: {e}") from None
+        problem = _cross_check(self)
+        if problem:
+            raise ToleranceError(f"ToleranceRule: {problem}")
+
+    @property
+    def has_ulp_criterion(self) -> bool:
+        return self.max_ulps is not None or self.hard_ulps is not None
+
+    @property
+    def has_allclose(self) -> bool:
+        return self.rtol is not None or self.atol is not None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """Short text: 'floor 1 ULP of row RMS, max 2 ULP on ≤ 0.1%, hard 64 ULP'."""
+        parts = [f"floor {self.floor_ulps:g} ULP of row RMS"]
+        if self.max_ulps is not None:
+            parts.append(f"max {self.max_ulps} ULP on ≤ {_pct(self.allowed_fraction)}")
+        if self.hard_ulps is not None:
+            parts.append(f"hard {self.hard_ulps} ULP")
+        if self.has_allclose:
+            parts.append(f"rtol {self.rtol or 0:g}, atol {self.atol or 0:g}")
+        if self.compare_dtype:
+            parts.append(f"compared in {self.compare_dtype}")
+        return ", ".join(parts)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.3g}%"
+
+
+def _cross_check(r: ToleranceRule) -> str | None:
+    if r.max_ulps is None and r.hard_ulps is None and r.rtol is None and r.atol is None:
+        return "max_ulps, hard_ulps, rtol and atol are all off: such a rule can never fail"
+    if r.max_ulps is not None and r.hard_ulps is not None and r.hard_ulps < r.max_ulps:
+        return f"hard_ulps ({r.hard_ulps}) is below max_ulps ({r.max_ulps})"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ table
+@dataclass(frozen=True)
+class RuleEntry:
+    """One table entry: four glob patterns and the rule fields it sets; `source` names where it came from."""
+
+    site: str
+    mode: str
+    dtype: str
+    compute: str
+    fields: tuple[tuple[str, Any], ...]
+    source: str
+
+    def matches(self, site: str, mode: str, dtype: str, compute: str) -> bool:
+        return all(fnmatch.fnmatchcase(v, p) for v, p in
+                   ((site, self.site), (mode, self.mode), (dtype, self.dtype), (compute, self.compute)))
+
+
+@dataclass(frozen=True)
+class RulesTable:
+    """Ordered entries; lookup is first-match-wins per field (module docstring)."""
+
+    entries: tuple[RuleEntry, ...] = ()
+
+    def _resolve(self, site: str, mode: str, dtype: str, compute_dtype: str | None) -> dict[str, tuple[Any, str]]:
+        got: dict[str, tuple[Any, str]] = {}
+        for e in self.entries:
+            if e.matches(site, mode, dtype, compute_dtype or ""):
+                for f, v in e.fields:
+                    got.setdefault(f, (v, e.source))
+        return got
+
+    def rule_for(self, site: str, mode: str, dtype: str, compute_dtype: str | None = None) -> ToleranceRule:
+        """The rule for one point. Raises ToleranceError if a required field is set by no matching entry."""
+        got = self._resolve(site, mode, dtype, compute_dtype)
+        where = f"site {site!r}, mode {mode!r}, dtype {dtype!r}" + (f", compute {compute_dtype!r}" if compute_dtype else "")
+        missing = [f for f in REQUIRED_FIELDS if f not in got]
+        if missing:
+            raise ToleranceError(f"tolerance rules: no entry sets {', '.join(missing)} for {where}; add a catch-all "
+                                 f"entry (site = \"*\", mode = \"*\", dtype = \"{dtype}\")")
+        try:
+            return ToleranceRule(**{f: v for f, (v, _) in got.items()})
+        except ToleranceError as e:
+            srcs = "; ".join(f"{f} from {got[f][1]}" for f in RULE_FIELDS if f in got)
+            raise ToleranceError(f"tolerance rules for {where}: {e} ({srcs})") from None
+
+    def explain(self, site: str, mode: str, dtype: str, compute_dtype: str | None = None) -> dict[str, str]:
+        """{field: source entry} of the fields `rule_for` would use — for 'why this tolerance?' questions."""
+        return {f: src for f, (_, src) in self._resolve(site, mode, dtype, compute_dtype).items()}
+
+    def merged(self, other: "RulesTable") -> "RulesTable":
+        """A table where `other`'s entries take precedence over this table's."""
+        return RulesTable(tuple(other.entries) + tuple(self.entries))
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def _entry(raw: Mapping[str, Any], source: str) -> RuleEntry:
+    keys = {k: "*" for k in KEY_FIELDS}
+    fields: list[tuple[str, Any]] = []
+    for k, v in raw.items():
+        try:
+            if k in KEY_FIELDS:
+                keys[k] = _check_pattern(k, v)
+            elif k == "note":
+                if not isinstance(v, str):
+                    raise ValueError("expected a string")
+            else:
+                fields.append((k, _check_field(k, v)))
+        except ValueError as e:
+            raise ToleranceError(f"{source}: field {k!r} = {v!r}: {e}") from None
+    if not fields:
+        raise ToleranceError(f"{source}: sets no rule field; expected at least one of {', '.join(RULE_FIELDS)}")
+    entry = RuleEntry(keys["site"], keys["mode"], keys["dtype"], keys["compute"], tuple(fields), source)
+    if all(f in dict(fields) for f in REQUIRED_FIELDS):  # a complete entry must be usable on its own
+        try:
+            ToleranceRule(**dict(fields))
+        except ToleranceError as e:
+            raise ToleranceError(f"{source}: {e}") from None
+    return entry
+
+
+def _parse_document(doc: Mapping[str, Any], name: str) -> RulesTable:
+    for k in doc:
+        if k not in ("schema", "version", "rule"):
+            raise ToleranceError(f"{name}: unknown top-level key {k!r}; expected [[rule]] entries (and optional "
+                                 f"schema = \"{SCHEMA}\", version = 1)")
+    if doc.get("schema", SCHEMA) != SCHEMA:
+        raise ToleranceError(f"{name}: schema {doc['schema']!r}, expected {SCHEMA!r}")
+    if doc.get("version", 1) != 1:
+        raise ToleranceError(f"{name}: version {doc['version']!r}, expected 1")
+    rules = doc.get("rule", [])
+    if not isinstance(rules, list) or not all(isinstance(r, dict) for r in rules):
+        raise ToleranceError(f"{name}: 'rule' must be an array of tables ([[rule]])")
+    return RulesTable(tuple(_entry(r, f"{name} entry {i}") for i, r in enumerate(rules, 1)))
+
+
+def load_rules(path: str | Path) -> RulesTable:
+    """Read a tolerance TOML file. Entry numbers in errors count [[rule]] tables from 1."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ToleranceError(f"{path}: cannot read tolerance file ({e.strerror or e})") from None
+    return _parse_text(text, str(path))
+
+
+def _parse_text(text: str, name: str) -> RulesTable:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ToleranceError(f"{name}: not valid TOML ({e})") from None
+    return _parse_document(doc, name)
+
+
+@functools.lru_cache(maxsize=1)
+def default_rules() -> RulesTable:
+    """The packaged defaults (`parity/numerics/default_tolerances.toml`; PROVISIONAL until calibrated)."""
+    text = resources.files("parity.numerics").joinpath(DEFAULT_FILE).read_text(encoding="utf-8")
+    return _parse_text(text, DEFAULT_FILE)
+
+
+def _cli_value(field: str, text: str) -> Any:
+    t = text.strip()
+    if t.lower() in _OFF or field in ("compare_dtype", "compute"):
+        return t
+    try:
+        return int(t) if field in ("max_ulps", "hard_ulps") else float(t)
+    except ValueError:
+        return t  # _check_field reports it with what was expected
+
+
+def parse_override(text: str, source: str = "override") -> RulesTable:
+    """One CLI override `SITE:MODE:DTYPE:field=value[,field=value...]` → a one-entry table."""
+    parts = text.rsplit(":", 3)
+    if len(parts) != 4 or "=" not in parts[3]:
+        raise ToleranceError(f"{source} {text!r}: expected SITE:MODE:DTYPE:field=value[,field=value...], e.g. "
+                             f"'mlp.*:layer:bfloat16:max_ulps=8,hard_ulps=64'")
+    raw: dict[str, Any] = dict(zip(("site", "mode", "dtype"), parts[:3]))
+    for item in parts[3].split(","):
+        k, eq, v = item.partition("=")
+        k = k.strip()
+        if not eq or not k:
+            raise ToleranceError(f"{source} {text!r}: item {item!r} is not field=value")
+        if k in raw:
+            raise ToleranceError(f"{source} {text!r}: field {k!r} given twice")
+        raw[k] = _cli_value(k, v)
+    return RulesTable((_entry(raw, f"{source} {text!r}"),))
+
+
+def parse_overrides(texts: Iterable[str], source: str = "override") -> RulesTable:
+    """Several CLI overrides; a later one takes precedence over an earlier one."""
+    table = RulesTable()
+    for i, t in enumerate(texts, 1):
+        table = table.merged(parse_override(t, f"{source} {i}"))
+    return table
