@@ -1,0 +1,141 @@
+"""Head-gated multi-head latent attention (facts §4).
+
+Two forms of the same maths:
+- naive (prefill, §4.4): expand per-head K = [k_nope | k_rope], V from the latent through kv_b_proj; causal softmax.
+- absorbed (decode, §4.5): keep a latent cache (normalised c_kv + rotated k_rope, 576 values per token in Ling3) and
+  fold kv_b_proj into the query (q̃ = W_UKᵀ q_nope) and the output (o = W_UV z).
+Precision follows the reference's eager path (facts §8): bf16 GEMMs with fp32 accumulation, scores scaled in fp32 from
+the rounded product, softmax in fp32 cast back, head gate σ in fp32 cast back.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from parity.jax_ling3.norms import rms_norm
+from parity.jax_ling3.ops import linear
+from parity.jax_ling3.rope import apply_rope_interleaved, cos_sin
+from parity.jax_ling3.spec import LayerSpec
+
+F32 = jnp.float32
+MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the class-default eps (facts §4.2)
+
+
+class MLACache(NamedTuple):
+    """Latent cache of one MLA layer: c_kv [B,S,c] (after kv_a_layernorm), k_rope [B,S,r] (rotated), length (int32
+    scalar: tokens written). S is a fixed capacity so decode steps keep static shapes (one compile)."""
+
+    c_kv: jnp.ndarray
+    k_rope: jnp.ndarray
+    length: jnp.ndarray
+
+
+def init_mla_cache(batch: int, capacity: int, spec: LayerSpec) -> MLACache:
+    m = spec.model
+    return MLACache(jnp.zeros((batch, capacity, m.kv_lora_rank), m.jdtype),
+                    jnp.zeros((batch, capacity, m.qk_rope), m.jdtype), jnp.zeros((), jnp.int32))
+
+
+def _mm(eq: str, a, b, dtype):
+    """einsum in the activation dtype with fp32 accumulation, rounded once (a bf16 torch matmul)."""
+    return jnp.einsum(eq, a.astype(dtype), b.astype(dtype), preferred_element_type=F32).astype(dtype)
+
+
+def _softmax_probs(scores_raw, scale: float, allowed, dtype):
+    """scores (rounded product) × scale in fp32 → dtype; masked; softmax in fp32, cast to dtype (facts §4.4, §8)."""
+    s = (scores_raw.astype(F32) * scale).astype(dtype)
+    s = jnp.where(allowed, s.astype(F32), -jnp.inf)
+    return jax.nn.softmax(s, axis=-1).astype(dtype)
+
+
+def mla_attention(p: dict, x: jnp.ndarray, positions: jnp.ndarray, spec: LayerSpec,
+                  cache: MLACache | None = None):
+    """MLA block on the layer-normed x [B,T,D] at RoPE `positions` [T] or [B,T].
+
+    cache None: naive causal form over these T tokens (returns new_cache None).
+    cache given: the T new tokens are written at cache.length and attend to everything before them and causally to
+    each other, in the absorbed form (`spec.mla_absorbed`) or by expanding K/V from the cached latents.
+    Returns (out [B,T,D], points, new_cache)."""
+    m = spec.model
+    dt = x.dtype
+    B, T, _ = x.shape
+    H, n, r, vd, c = m.num_heads, m.qk_nope, m.qk_rope, m.v_head_dim, m.kv_lora_rank
+    pts: dict[str, jnp.ndarray] = {}
+    if m.q_lora_rank is None:
+        q = linear(x, p["q_proj"])
+        pts["attention.q_proj"] = q
+    else:
+        qa = linear(x, p["q_a_proj"])
+        pts["attention.q_a_proj"] = qa
+        qa = rms_norm(qa, p["q_a_layernorm"], MLA_NORM_EPS)
+        pts["attention.q_a_layernorm"] = qa
+        q = linear(qa, p["q_b_proj"])
+        pts["attention.q_b_proj"] = q
+    q = q.reshape(B, T, H, n + r)
+    q_nope, q_rope = q[..., :n], q[..., n:]
+    kv_a = linear(x, p["kv_a_proj_with_mqa"])
+    pts["attention.kv_a_proj_with_mqa"] = kv_a
+    c_kv = rms_norm(kv_a[..., :c], p["kv_a_layernorm"], MLA_NORM_EPS)
+    pts["attention.kv_a_layernorm"] = c_kv
+    kv = linear(c_kv, p["kv_b_proj"])
+    pts["attention.kv_b_proj"] = kv
+    pos = jnp.broadcast_to(positions, (B, T))
+    cos, sin = cos_sin(pos, r, m.rope_theta, dt)
+    q_rope = apply_rope_interleaved(q_rope, cos, sin)  # [B,T,H,r]
+    k_rope = apply_rope_interleaved(kv_a[..., None, c:], cos, sin)[..., 0, :]  # [B,T,r], one shared head
+
+    w_kv = p["kv_b_proj"].reshape(c, H, n + vd)
+    if cache is None:
+        kvh = kv.reshape(B, T, H, n + vd)
+        core, new_cache = _naive(q_nope, q_rope, kvh[..., :n], kvh[..., n:], k_rope, jnp.tril(jnp.ones((T, T), bool)),
+                                 m.attn_scale, dt), None
+    else:
+        start = cache.length
+        new_cache = MLACache(jax.lax.dynamic_update_slice(cache.c_kv, c_kv.astype(cache.c_kv.dtype), (0, start, 0)),
+                             jax.lax.dynamic_update_slice(cache.k_rope, k_rope.astype(cache.k_rope.dtype),
+                                                          (0, start, 0)),
+                             start + T)
+        Sk = cache.c_kv.shape[1]
+        allowed = jnp.arange(Sk)[None, :] <= (start + jnp.arange(T))[:, None]  # [T,S] causal over cache + new
+        if spec.mla_absorbed:
+            core = _absorbed(q_nope, q_rope, new_cache.c_kv, new_cache.k_rope, w_kv[..., :n], w_kv[..., n:],
+                             allowed, m.attn_scale, dt)
+        else:
+            kvh = linear(new_cache.c_kv, p["kv_b_proj"]).reshape(B, Sk, H, n + vd)
+            core = _naive(q_nope, q_rope, kvh[..., :n], kvh[..., n:], new_cache.k_rope, allowed, m.attn_scale, dt)
+    core = core.reshape(B, T, H * vd)
+    pts["attention.core"] = core
+    gp = linear(x, p["g_proj"])
+    pts["attention.g_proj"] = gp
+    gate = jax.nn.sigmoid(gp.astype(F32)).astype(dt)  # head-wise gate, fp32 then cast (facts §4.6)
+    pts["attention.gate"] = gate
+    gated = (core.reshape(B, T, H, vd) * gate[..., None]).reshape(B, T, H * vd)
+    pts["attention.dense:in"] = gated
+    out = linear(gated, p["dense"])
+    pts["attention.dense"] = out
+    return out, pts, new_cache
+
+
+def _naive(q_nope, q_rope, k_nope, v, k_rope, allowed, scale, dt):
+    """softmax(s·(q_nope·k_nope + q_rope·k_rope)) v per head; q [B,T,H,·], k_nope/v [B,S,H,·], k_rope [B,S,r]."""
+    q = jnp.concatenate([q_nope, q_rope], axis=-1)
+    H = q.shape[2]
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_rope.shape[:2], H, k_rope.shape[-1]))],
+                        axis=-1)
+    probs = _softmax_probs(jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=F32).astype(dt), scale,
+                           allowed, dt)
+    return _mm("bhts,bshv->bthv", probs, v, dt)
+
+
+def _absorbed(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, allowed, scale, dt):
+    """Absorbed form (facts §4.5): q̃_h = W_UKᵀ q_nope_h ∈ R^c; score = s·(q̃·c_kv + q_rope·k_rope);
+    z_h = Σ p c_kv; o_h = W_UV z_h. w_uk [c,H,n], w_uv [c,H,v]; c_kv [B,S,c]; k_rope [B,S,r]."""
+    q_lat = _mm("bthn,chn->bthc", q_nope, w_uk, dt)
+    raw = (jnp.einsum("bthc,bsc->bhts", q_lat, c_kv, preferred_element_type=F32)
+           + jnp.einsum("bthr,bsr->bhts", q_rope, k_rope, preferred_element_type=F32)).astype(dt)
+    probs = _softmax_probs(raw, scale, allowed, dt)
+    z = _mm("bhts,bsc->bthc", probs, c_kv, dt)
+    return _mm("bthc,chv->bthv", z, w_uv, dt)
