@@ -211,16 +211,18 @@ def _compare_exact(ref: np.ndarray, test: np.ndarray, rule: ToleranceRule, name:
 
 
 def _row_rms(rv: np.ndarray, finite: np.ndarray) -> np.ndarray:
-    """RMS over the last axis of the finite reference values (keepdims; a 0-d tensor is one row)."""
+    """RMS over the last axis of the finite reference values of a [rows, last] array (keepdims)."""
     x = np.where(finite, rv, 0.0)
-    if x.ndim == 0:
-        return np.sqrt(x * x)
     count = np.maximum(finite.sum(axis=-1, keepdims=True), 1)
     return np.sqrt((x * x).sum(axis=-1, keepdims=True) / count)
 
 
 def _compare_float(r: np.ndarray, t: np.ndarray, rule: ToleranceRule, name: str, cdt: str) -> Verdict:
     shape, n = tuple(r.shape), r.size
+    # Work on [rows, last axis]; a 0-d tensor is one row of one element. Indices are mapped back to `shape`.
+    last = shape[-1] if r.ndim else 1
+    rows = (n // last, last) if n else (0, 1)
+    r, t = r.reshape(rows), t.reshape(rows)
     cr, ct = value_class(r), value_class(t)
     mism = cr != ct  # class mismatch: failure, excluded from statistics
     fin = (cr == FINITE) & (ct == FINITE)

@@ -1,0 +1,262 @@
+"""compare(): the hybrid rule of DESIGN §5 on hand-built tensors whose expected outcome is derived in the test
+(bit patterns, numpy formulas), and each criterion shown to fail when its subject is perturbed."""
+
+import json
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from parity.errors import ParityError
+from parity.numerics import ComparisonError, ToleranceRule, allowed_over_count, compare
+
+BF16 = ml_dtypes.bfloat16
+
+
+def rule(floor=1, max_ulps=2, frac=0.001, hard=64, **kw):
+    return ToleranceRule(floor_ulps=floor, max_ulps=max_ulps, allowed_fraction=frac, hard_ulps=hard, **kw)
+
+
+def bf16_steps(x: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """Move positive bf16 values `steps` grid points up (bit arithmetic; valid within the positive finite range)."""
+    return (x.astype(BF16).view(np.uint16).astype(np.int64) + steps).astype(np.uint16).view(BF16)
+
+
+def positive_bf16(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    return (1 + rng.random(shape)).astype(BF16)  # in [1, 2]: one binade, ULP 2**-7
+
+
+def test_identical_inputs_pass_with_exact_statistics():
+    x = np.random.default_rng(0).standard_normal((3, 5, 16)).astype(BF16)
+    v = compare(x, x.copy(), rule(), name="p")
+    assert v.passed and v.n == 240 and v.dtype == "bfloat16"
+    assert (v.max_ulp, v.p50_ulp, v.p99_ulp, v.p999_ulp, v.frac_exact, v.frac_le1_ulp) == (0, 0, 0, 0, 1.0, 1.0)
+    assert v.rel_l2 == 0.0 and v.cosine == pytest.approx(1.0) and v.max_abs_diff == 0.0 and v.worst_index is None
+    assert v.min_passing_max_ulps == 0 and v.min_passing_hard_ulps == 0
+    json.dumps(v.to_dict(), allow_nan=False)
+    assert "Tensor-likes are close [p]" in v.message()
+
+
+def test_plus_and_minus_zero_are_equal():
+    v = compare(np.array([0.0, -0.0], BF16), np.array([-0.0, 0.0], BF16), rule(floor=0, max_ulps=0, frac=0, hard=0))
+    assert v.passed and v.frac_exact == 1.0
+
+
+# ------------------------------------------------------------------------------------------- the absolute floor
+def floor_case(test_small: float):
+    """Row of 63 × 1.5 and one 0 → RMS = 1.5·sqrt(63/64) ≈ 1.488 ∈ [1, 2): 1 bf16 ULP of the RMS is 2**-7."""
+    ref = np.full((2, 64), 1.5, BF16)
+    ref[:, -1] = 0
+    test = ref.copy()
+    test[1, -1] = test_small
+    return ref, test
+
+
+def test_floor_passes_errors_below_the_row_resolution():
+    assert math.isclose(1.5 * math.sqrt(63 / 64), 1.488, rel_tol=1e-3)
+    ref, test = floor_case(2.0**-7)  # |Δ| = 1 ULP of the row RMS; billions of ULPs of the zero reference
+    v = compare(ref, test, rule(floor=1))
+    assert v.passed and v.n_floored == 1 and v.max_ulp == 0 and v.max_ulp_raw > 10_000
+    assert v.floor_abs_max == 2.0**-7
+    assert v.worst_index == (1, 63)  # fallback to the greatest |Δ| when every ULP distance is floored
+    # perturbed: no floor, or a floor of 0.5 ULP, or |Δ| one grid step above the floor → fails on the hard limit
+    assert not compare(ref, test, rule(floor=0)).passed
+    assert not compare(ref, test, rule(floor=0.5)).passed
+    ref2, test2 = floor_case(float(np.nextafter(np.array(2.0**-7, BF16), np.array(1, BF16))))
+    v2 = compare(ref2, test2, rule(floor=1))
+    assert not v2.passed and v2.n_hard == 1 and v2.worst_index == (1, 63)
+
+
+def test_floor_uses_each_rows_own_rms():
+    ref = np.zeros((2, 64), BF16)
+    ref[0] = 1.5  # row 0 RMS 1.5 → floor 2**-7; row 1 all zero → floor = the smallest subnormal
+    test = ref.copy()
+    test[0, 0] = 1.5 + 2**-7  # 1 ULP, also within floor
+    assert compare(ref, test, rule(floor=1, max_ulps=0, frac=0, hard=0)).passed
+    test[1, 0] = 2.0**-9  # far below row 0's floor but row 1 has no scale
+    assert not compare(ref, test, rule(floor=1, max_ulps=0, frac=0, hard=0)).passed
+
+
+# ------------------------------------------------------------------------------------------- fraction / hard limit
+def test_allowed_fraction_and_min_passing():
+    ref = positive_bf16((1000,))
+    steps = np.zeros(1000, np.int64)
+    steps[[10, 500]] = 3
+    test = bf16_steps(ref, steps)
+    v = compare(ref, test, rule(floor=1, max_ulps=2, frac=0.001))  # 0.001·1000 = 1 element may be above 2 ULP
+    assert not v.passed and v.n_over == 2 and v.allowed_over == 1 and v.max_ulp == 3
+    assert v.frac_over == 0.002
+    steps[500] = 0
+    assert compare(ref, bf16_steps(ref, steps), rule(floor=1, max_ulps=2, frac=0.001)).passed
+    assert "Mismatched elements: 2 / 1000 (0.2%) above 2 ULP" in v.message()
+    assert "Would pass with max_ulps ≥ 3" in v.message()
+
+
+def test_hard_limit():
+    ref = positive_bf16((100,))
+    steps = np.zeros(100, np.int64)
+    steps[7] = 65
+    test = bf16_steps(ref, steps)
+    v = compare(ref, test, rule(floor=0, max_ulps=2, frac=0.5, hard=64))
+    assert not v.passed and v.n_hard == 1 and v.n_over == 1 and v.min_passing_hard_ulps == 65
+    assert "hard_ulps ≥ 65" in v.message()
+    assert compare(ref, test, rule(floor=0, max_ulps=2, frac=0.5, hard=65)).passed
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_min_passing_max_ulps_is_exact(seed):
+    rng = np.random.default_rng(seed)
+    ref = positive_bf16((4, 250), seed)
+    steps = rng.integers(-6, 7, ref.shape) * (rng.random(ref.shape) < 0.3)
+    test = bf16_steps(ref, steps)
+    frac = float(rng.choice([0.0, 0.001, 0.01, 0.05]))
+    # independent: the distance is |steps| (one binade, positive values); floor 0 keeps every nonzero distance
+    dist = np.sort(np.abs(steps).ravel())[::-1]
+    k = math.floor(round(frac * dist.size, 9))
+    expected = int(dist[k]) if k < dist.size else 0
+    v = compare(ref, test, rule(floor=0, max_ulps=0, frac=frac, hard=None))
+    assert v.min_passing_max_ulps == expected and v.min_passing_hard_ulps == int(dist[0])
+    assert compare(ref, test, rule(floor=0, max_ulps=expected, frac=frac, hard=None)).passed
+    if expected > 0:
+        assert not compare(ref, test, rule(floor=0, max_ulps=expected - 1, frac=frac, hard=None)).passed
+
+
+def test_allowed_over_count_takes_the_decimal_fraction():
+    assert [allowed_over_count(f, n) for f, n in [(0.001, 1000), (0.3, 10), (0.1, 9), (0.0, 10**6), (1.0, 7)]] == \
+        [1, 3, 0, 0, 7]
+
+
+def test_percentiles_are_attained_values():
+    ref = positive_bf16((1000,))
+    steps = np.repeat(np.arange(10), 100)  # 100 elements at each of 0..9 ULP
+    v = compare(ref, bf16_steps(ref, steps), rule(floor=0, max_ulps=9, frac=0, hard=None))
+    # sorted distances s; pXX = s[ceil(q·n) - 1]
+    s = np.sort(steps)
+    assert (v.p50_ulp, v.p99_ulp, v.p999_ulp, v.max_ulp) == (s[499], s[989], s[998], 9)
+    assert v.frac_exact == 0.1 and v.frac_le1_ulp == 0.2
+
+
+# ------------------------------------------------------------------------------------------- worst element, stats
+def test_worst_index_values_and_message():
+    ref = positive_bf16((2, 3, 4))
+    steps = np.zeros(ref.shape, np.int64)
+    steps[1, 2, 3] = 37
+    steps[0, 1, 1] = 5
+    test = bf16_steps(ref, steps)
+    v = compare(ref, test, rule(), name="prefill/L03/attention.core")
+    assert v.worst_index == (1, 2, 3) and v.worst_ulp == 37
+    assert v.worst_ref == float(ref[1, 2, 3]) and v.worst_test == float(test[1, 2, 3])
+    assert v.max_abs_index == (1, 2, 3) and v.max_abs_diff == 37 * 2.0**-7
+    msg = v.message()
+    assert "Tensor-likes are not close! [prefill/L03/attention.core]" in msg
+    assert "Greatest ULP distance: 37 at index (1, 2, 3)" in msg
+    d = v.to_dict()
+    assert d["worst_index"] == [1, 2, 3] and d["rule"]["max_ulps"] == 2
+    json.dumps(d, allow_nan=False)
+
+
+def test_rel_l2_and_cosine_against_numpy():
+    rng = np.random.default_rng(3)
+    ref = rng.standard_normal((8, 32)).astype(np.float32)
+    test = (ref + 0.05 * rng.standard_normal(ref.shape)).astype(np.float32)
+    v = compare(ref, test, rule(), dtype="float32")
+    r, t = ref.astype(np.float64), test.astype(np.float64)
+    assert v.rel_l2 == pytest.approx(np.linalg.norm(t - r) / np.linalg.norm(r), rel=1e-12)
+    assert v.cosine == pytest.approx(r.ravel() @ t.ravel() / (np.linalg.norm(r) * np.linalg.norm(t)), rel=1e-12)
+    assert v.max_abs_diff == np.abs(t - r).max()
+
+
+# ------------------------------------------------------------------------------------------- dtype handling
+def test_fp32_compared_in_bf16_is_rounded_first():
+    ref = np.float32([1.0, 3.0])
+    test = np.float32([1.001, 3.0])  # rounds to 1.0 in bf16 (RNE), 8389 fp32 ULPs away
+    strict = rule(floor=0, max_ulps=0, frac=0, hard=0)
+    assert compare(ref, test, strict, dtype="bfloat16").passed
+    assert compare(ref, test, rule(floor=0, max_ulps=0, frac=0, hard=0, compare_dtype="bfloat16")).passed
+    v = compare(ref, test, strict)  # in the reference's own dtype, float32
+    assert not v.passed and v.dtype == "float32" and v.max_ulp == 8389
+
+
+def test_test_side_in_a_wider_dtype_is_rounded_to_the_reference_dtype():
+    ref = np.array([1.0], BF16)
+    assert compare(ref, np.float32([1 + 2**-9]), rule(floor=0, max_ulps=0, frac=0, hard=0)).passed
+    assert not compare(ref, np.float32([1 + 2**-7]), rule(floor=0, max_ulps=0, frac=0, hard=0)).passed
+
+
+def test_float64_reference_needs_a_grid():
+    with pytest.raises(ComparisonError, match="float64"):
+        compare(np.float64([1.0]), np.float64([1.0]), rule())
+    assert compare(np.float64([1.0]), np.float64([1.0]), rule(), dtype="float32").passed
+
+
+def test_shape_mismatch_is_a_parity_error():
+    with pytest.raises(ParityError, match=r"L03/mlp.*reference \(2, 3\), test \(3, 2\)"):
+        compare(np.zeros((2, 3), BF16), np.zeros((3, 2), BF16), rule(), name="L03/mlp")
+
+
+def test_integer_tensors_compare_exactly():
+    ids = np.array([[3, 7], [1, 2]], np.int32)
+    v = compare(ids, ids.copy(), rule())
+    assert v.passed and v.dtype == "int32" and v.frac_exact == 1.0
+    bad = ids.copy()
+    bad[1, 0] = 5
+    v = compare(ids, bad, rule(max_ulps=100, frac=1.0, hard=None))  # ULP tolerances do not apply to ids
+    assert not v.passed and v.n_over == 1 and v.worst_index == (1, 0) and (v.worst_ref, v.worst_test) == (1, 5)
+    assert "Mismatched elements: 1 / 4" in v.message()
+    assert not compare(ids, ids.astype(np.float32) + 0.5, rule()).passed
+    with pytest.raises(ComparisonError):
+        compare(ids, ids, rule(), dtype="bfloat16")
+
+
+# ------------------------------------------------------------------------------------------- NaN / Inf
+def test_nan_inf_classes():
+    ref = np.array([np.nan, np.inf, -np.inf, 1.0, 2.0], BF16)
+    assert compare(ref, ref.copy(), rule(floor=0, max_ulps=0, frac=0, hard=0)).passed
+    for i, bad in [(0, 1.0), (1, -np.inf), (0, np.inf), (3, np.nan), (4, np.inf), (2, 3.0)]:
+        test = ref.copy()
+        test[i] = bad
+        v = compare(ref, test, rule(max_ulps=100, frac=1.0, hard=None))
+        assert not v.passed and v.nan_inf_mismatches == 1 and v.first_nan_inf_index == (i,)
+        assert "NaN/Inf mismatches: 1" in v.message()
+        json.dumps(v.to_dict(), allow_nan=False)
+
+
+def test_rtol_atol_tier():
+    ref = np.float32([1.0, 100.0, -3.0, 1e-3] * 16).reshape(4, 16)
+    fp32 = dict(floor=0, max_ulps=None, frac=0, hard=None, rtol=1e-5)
+    test = ref.copy()
+    test[2, 5] *= 1 + 5e-6
+    assert compare(ref, test, rule(**fp32)).passed
+    test[2, 5] = ref[2, 5] * (1 + 2e-5)
+    v = compare(ref, test, rule(**fp32))
+    assert not v.passed and v.n_tol_fail == 1
+    assert "outside |Δ| ≤ atol + rtol·|ref|" in v.message()
+    # the floor absorbs errors far below the row scale even where rtol alone would fail (the 1e-3 elements)
+    test = ref.copy()
+    test[0, 3] = 1.1e-3  # |Δ| 1e-4, 10 % relative, row RMS ≈ 50
+    assert not compare(ref, test, rule(**fp32)).passed
+    assert compare(ref, test, rule(**(fp32 | {"floor": 2048}))).passed  # 2048 fp32 ULP of 50 ≈ 7.8e-3
+
+
+# ------------------------------------------------------------------------------------------- never raises on values
+float_arrays = st.sampled_from([np.float32, np.float16]).flatmap(
+    lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=3, max_side=5),
+                          elements=hnp.from_dtype(np.dtype(dt), allow_nan=True, allow_infinity=True)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(a=float_arrays, data=st.data(), to_bf16=st.booleans())
+def test_compare_never_raises_and_identical_passes(a, data, to_bf16):
+    if to_bf16:
+        a = a.astype(BF16)
+    b = data.draw(hnp.arrays(np.float32, a.shape, elements=st.floats(width=32, allow_nan=True, allow_infinity=True)))
+    r = rule()
+    v = compare(a, b, r)
+    json.dumps(v.to_dict(), allow_nan=False)
+    assert isinstance(v.message(), str)
+    assert compare(a, a.copy(), r).passed
