@@ -271,10 +271,12 @@ def _cli_value(field: str, text: str) -> Any:
     t = text.strip()
     if t.lower() in _OFF or field in ("compare_dtype", "compute"):
         return t
-    try:
-        return int(t) if field in ("max_ulps", "hard_ulps") else float(t)
-    except ValueError:
-        return t  # _check_field reports it with what was expected
+    for parse in ((int, float) if field in ("max_ulps", "hard_ulps") else (float,)):
+        try:
+            return parse(t)
+        except ValueError:
+            pass
+    return t  # _check_field reports it with what was expected
 
 
 def parse_override(text: str, source: str = "override") -> RulesTable:
