@@ -160,6 +160,14 @@ def test_worst_index_values_and_message():
     json.dumps(d, allow_nan=False)
 
 
+def test_worst_is_by_ulp_not_by_absolute_difference():
+    ref = np.array([[100.0, 100.0], [1.5, 1.5]], BF16)  # bf16 ULP 0.5 at 100, 2**-7 at 1.5
+    test = bf16_steps(ref, np.array([[2, 0], [0, 10]]))  # |Δ| 1.0 (2 ULP) vs 0.078 (10 ULP)
+    v = compare(ref, test, rule(floor=0, max_ulps=20, frac=0, hard=None))
+    assert v.worst_index == (1, 1) and v.worst_ulp == 10
+    assert v.max_abs_index == (0, 0) and v.max_abs_diff == 1.0
+
+
 def test_rel_l2_and_cosine_against_numpy():
     rng = np.random.default_rng(3)
     ref = rng.standard_normal((8, 32)).astype(np.float32)
