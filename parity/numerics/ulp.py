@@ -35,6 +35,7 @@ class _Spec:
     def __init__(self, np_dtype: Any, uint: Any, bits: int, precision: int, emin: int):
         self.np_dtype = np.dtype(np_dtype)
         self.uint = np.dtype(uint)
+        self.sint = np.dtype(f"int{bits}")
         self.bits = bits
         self.precision = precision
         self.emin = emin
@@ -101,19 +102,20 @@ def ordered_int(a: np.ndarray) -> np.ndarray:
     """Bit pattern → position on the monotone integer line (int64): +magnitude for sign 0, -magnitude for sign 1.
     +0 and -0 both map to 0. NaN/Inf get the position of their bit pattern; exclude them with `value_class`."""
     spec = _spec(a.dtype)
-    bits = np.ascontiguousarray(a).view(spec.uint).astype(np.int64)
-    sign = bits >> (spec.bits - 1)
-    mag = bits & ((1 << (spec.bits - 1)) - 1)
-    return np.where(sign == 1, -mag, mag)
+    # As a signed integer, a pattern with the sign bit set is INT_MIN + magnitude, so INT_MIN - it = -magnitude.
+    o = np.ascontiguousarray(a).view(spec.sint).astype(np.int64)
+    np.subtract(np.int64(np.iinfo(spec.sint).min), o, out=o, where=o < 0)
+    return o
 
 
 def value_class(a: np.ndarray) -> np.ndarray:
     """Per element: FINITE, POS_INF, NEG_INF or NAN (int8)."""
     f = np.asarray(a).astype(np.float32)  # exact for all three dtypes
-    cls = np.full(f.shape, FINITE, np.int8)
-    cls[np.isposinf(f)] = POS_INF
-    cls[np.isneginf(f)] = NEG_INF
-    cls[np.isnan(f)] = NAN
+    nonfinite = ~np.isfinite(f)
+    cls = np.zeros(f.shape, np.int8)  # FINITE == 0
+    if nonfinite.any():  # rare: classify only those
+        v = f[nonfinite]
+        cls[nonfinite] = np.where(np.isnan(v), NAN, np.where(v > 0, POS_INF, NEG_INF))
     return cls
 
 
