@@ -153,6 +153,8 @@ def canonical_shape(cfg, layer: int | None, site: str, batch: int, seq: int) -> 
             "attention.core": ((B, T, H * cfg.v_head_dim), "B,T,HV"),
             "attention.dense:in": ((B, T, H * cfg.v_head_dim), "B,T,HV"),
             "attention.gate": ((B, T, H), "B,T,H"),
+            # the built-in applies kv_b_proj on a [B,1,T,c] view; the twin on [B,T,c]
+            "attention.kv_b_proj": ((B, T, H * (cfg.qk_nope_head_dim + cfg.v_head_dim)), "B,T,HNV"),
         }
     k, E = cfg.num_experts_per_tok, cfg.num_experts
     table.update(
