@@ -98,6 +98,14 @@ def kda_gate(
     return -rate * F.softplus(x)
 
 
+def kda_beta(beta: torch.Tensor, use_sigmoid: bool, allow_neg_eigval: bool = False) -> torch.Tensor:
+    """Beta in fp32 (§3.4, §8): σ(beta) when the kernel applies the sigmoid (2σ with allow_neg_eigval), else as given."""
+    b = beta.float()
+    if use_sigmoid:
+        b = torch.sigmoid(b) * (2.0 if allow_neg_eigval else 1.0)
+    return b
+
+
 def kda_recurrent_core(q, k, v, g, beta, scale: float, S0: torch.Tensor | None):
     """Token-by-token KDA (§3.6), fp32. q,k [B,T,HV,K] (already normalised / GVA-expanded), v [B,T,HV,V],
     g [B,T,HV,K] log decay, beta [B,T,HV], S0 [B,HV,K,V] or None. Returns (o [B,T,HV,V] fp32, S [B,HV,K,V] fp32).
@@ -186,9 +194,7 @@ def _kda_call(kernel: str, q, k, v, g, beta, *, scale, initial_state, output_fin
     scale = K ** -0.5 if scale is None else float(scale)  # fla default K^-½ (§3.3)
 
     gate = kda_gate(g, A_log, dt_bias, lower_bound) if use_gate_in_kernel else g.float()
-    b = beta.float()
-    if use_beta_sigmoid_in_kernel:
-        b = torch.sigmoid(b) * (2.0 if allow_neg_eigval else 1.0)
+    b = kda_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     qn = l2_normalize(q) if use_qk_l2norm_in_kernel else q.float()
     kn = l2_normalize(k) if use_qk_l2norm_in_kernel else k.float()
     rep = HV // H
@@ -687,5 +693,5 @@ __all__ = [
     "FusedRMSNormGated", "tensor_cache", "prepare_cu_seqlens_from_mask", "prepare_lens_from_mask",
     "set_kda_observer", "get_kda_observer", "install", "is_installed", "real_fla_with_triton", "StandIns",
     "install_transformers_shims", "uninstall_transformers_shims", "default_rope_inv_freq", "is_torch_fx_available",
-    "kda_gate", "l2_normalize", "kda_recurrent_core", "kda_chunk_core",
+    "kda_gate", "kda_beta", "l2_normalize", "kda_recurrent_core", "kda_chunk_core",
 ]
