@@ -139,6 +139,11 @@ def test_percentiles_are_attained_values():
     s = np.sort(steps)
     assert (v.p50_ulp, v.p99_ulp, v.p999_ulp, v.max_ulp) == (s[499], s[989], s[998], 9)
     assert v.frac_exact == 0.1 and v.frac_le1_ulp == 0.2
+    # all distinct distances 0..999 (crossing binades: the integer line is continuous for positive values)
+    steps = np.random.default_rng(4).permutation(1000)
+    v = compare(ref, bf16_steps(ref, steps), rule(floor=0, max_ulps=9, frac=0, hard=None))
+    assert (v.p50_ulp, v.p99_ulp, v.p999_ulp, v.max_ulp) == (499, 989, 998, 999)
+    assert v.min_passing_max_ulps == 999 and v.frac_exact == 0.001
 
 
 # ------------------------------------------------------------------------------------------- worst element, stats
@@ -230,6 +235,8 @@ def test_nan_inf_classes():
         test[i] = bad
         v = compare(ref, test, rule(max_ulps=100, frac=1.0, hard=None))
         assert not v.passed and v.nan_inf_mismatches == 1 and v.first_nan_inf_index == (i,)
+        # the mismatched element is left out of every statistic: the rest is equal
+        assert v.max_abs_diff == 0.0 and v.worst_index is None and v.max_ulp == 0 and v.rel_l2 == 0.0
         assert "NaN/Inf mismatches: 1" in v.message()
         json.dumps(v.to_dict(), allow_nan=False)
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from parity.errors import ParityError
 from parity.numerics.tolerances import ToleranceRule
-from parity.numerics.ulp import FINITE, dtype_name, ordered_int, to_dtype, ulp_of, value_class
+from parity.numerics.ulp import DTYPE_NAMES, FINITE, dtype_name, ordered_int, to_dtype, ulp_of, value_class
 
 
 class ComparisonError(ParityError):
@@ -89,7 +89,7 @@ class Verdict:
     def message(self) -> str:
         """Multi-line explanation in the style of torch.testing.assert_close."""
         where = f" [{self.name}]" if self.name else ""
-        if self.max_ulp is None and self.rel_l2 is None and self.n and self.nan_inf_mismatches == 0:  # integers
+        if self.dtype not in DTYPE_NAMES:  # integer / bool tensors, compared exactly
             if self.passed:
                 return f"Tensors are equal{where}: {self.n} {self.dtype} elements compared exactly."
             return (f"Tensors are not equal{where} ({self.dtype}, exact comparison)\n\n"
