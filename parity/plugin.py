@@ -33,6 +33,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--parity-mode", default="layer", choices=["layer", "free", "forced"],
                 help="layer = teacher forcing per layer; free = run from token ids; forced = layer + forced routing")
     g.addoption("--parity-tolerances", default=None, help="TOML tolerance rules merged over the defaults")
+    g.addoption("--parity-tol", action="append", default=[],
+                help="one rule override, e.g. 'mlp.*:layer:bfloat16:max_ulps=8,hard_ulps=64' (repeatable)")
     g.addoption("--parity-report", default=str(ROOT / "reports"), help="report directory (one subdirectory per dump)")
     g.addoption("--parity-layers", default=None, help="layers to replay, e.g. 0-3,7 (default all)")
 
@@ -114,6 +116,11 @@ class ParitySession:
         tol = self.config.getoption("--parity-tolerances")
         if tol:
             rules = rules.merged(load_rules(tol))
+        overrides = self.config.getoption("--parity-tol")
+        if overrides:
+            from parity.numerics.tolerances import parse_overrides
+
+            rules = rules.merged(parse_overrides(overrides))
         dtype = dump.meta.get("compute_dtype", "bfloat16")
         target = target_cls()
         target.build(dump.config, dtype)
