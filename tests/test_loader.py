@@ -1,0 +1,280 @@
+"""Runtime loader (`parity.torch_ref.loader`): guards of official_remote_code.md (ORC) recorded and enforced, the
+prefix causality test, decode positions, and the twin run *through* the fla CPU stand-ins vs the twin's own
+pure-PyTorch path (the twin is written independently of `fla_cpu`).
+
+Measured (2-core CPU, `python -m pytest tests/test_loader.py -q -p no:cacheprovider`, bundled `tiny` checkpoint
+loaded in fp32):
+  twin via stand-ins (cpu_kernels=True) vs twin own path (LING3_TWIN_KERNELS=torch), logits rel-L2:
+    T=40 (fused_recurrent_kda) 1.2e-7, T=100 (chunk_kda) 2.0e-7; tolerance 1e-5 (fp32 tier, DESIGN §5)
+  prefix test, eager fp32: max|Δ| ≈ 1.6e-5 on |logits| ≈ 4 (≈ 4e-6 relative, tolerance 1e-4 relative);
+  twin quirk non-causal sdpa: max|Δ| ≈ 2 (fails, as it must).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from parity.config import Ling3Config
+from parity.errors import CheckpointError, ParityError
+from parity.torch_ref import fla_cpu
+from parity.torch_ref import loader as L
+
+REPO = Path(__file__).resolve().parents[1]
+TINY, TINY_FLASH = REPO / "dumps" / "ckpt" / "tiny", REPO / "dumps" / "ckpt" / "tiny-flash"
+REL_TOL = 1e-5
+
+pytestmark = pytest.mark.skipif(
+    not ((TINY / "config.json").exists() and (TINY_FLASH / "config.json").exists()
+         and (REPO / "parity" / "torch_ref" / "twin" / "modeling_bailing_moe_v3.py").exists()),
+    reason="bundled tiny checkpoints / twin remote code not in the repo yet (made by parity.torch_ref.ckpt)",
+)
+
+
+@contextmanager
+def _env(**kv):
+    old = {k: os.environ.get(k) for k in kv}
+    for k, v in kv.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _ids(T: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(2, 500, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+@pytest.fixture(scope="module")
+def twin_own():
+    """The twin's own pure-PyTorch KDA path, through the loader without stand-ins."""
+    with _env(LING3_TWIN_KERNELS="torch"):
+        lm = L.load_model(TINY, "remote", dtype="float32", cpu_kernels=False)
+    yield lm
+    lm.release()
+
+
+@pytest.fixture(scope="module")
+def twin_stand_ins():
+    """The twin with the fla stand-ins installed: its KDA layers call chunk_kda / fused_recurrent_kda /
+    ShortConvolution / FusedRMSNormGated exactly as the official file does."""
+    assert not fla_cpu.is_installed()
+    with _env(LING3_TWIN_KERNELS=None):
+        lm = L.load_model(TINY, "remote", dtype="float32")  # cpu_kernels defaults to True on cpu
+    yield lm
+    lm.release()
+    assert not fla_cpu.is_installed()
+
+
+@pytest.fixture(scope="module")
+def native_flash():
+    return L.load_model(TINY_FLASH, "native", dtype="float32")
+
+
+# ----------------------------------------------------------------------------------------------- classes and guards
+def test_remote_loads_the_twin_class_with_guards_recorded(twin_own):
+    m, g = twin_own.model, twin_own.guards
+    assert type(m).__name__ == "BailingMoeV3ForCausalLM"
+    assert type(m).__module__.startswith("transformers_modules.")
+    assert type(m).__module__.endswith(".modeling_bailing_moe_v3")
+    assert twin_own.runtime == "remote" and isinstance(twin_own.config, Ling3Config)
+    assert g["trust_remote_code"] is True and g["attn_implementation"] == "eager" == m.config._attn_implementation
+    assert g["rope_scaling"] is None and m.config.rope_scaling is None
+    assert g["layer_types"] == "absent" and getattr(m.config, "layer_types", None) is None
+    assert g["inv_freq"]["checked"] and g["inv_freq"]["recomputed"]
+    assert "model.rotary_emb.inv_freq" in g["inv_freq"]["buffers"]
+    assert g["load_report"]["missing"] == 0 and g["param_dtypes"] == ["float32"]
+    json.dumps(g)  # JSON-able, goes into the dump's attrs
+
+
+def test_native_loads_the_builtin_with_ragged_layer_types(native_flash):
+    m, g = native_flash.model, native_flash.guards
+    assert type(m).__module__ == "transformers.models.bailing_hybrid.modeling_bailing_hybrid"
+    assert g["trust_remote_code"] is False and g["attn_implementation"] == "eager"
+    # tiny-flash: 8 layers, group 6 -> MLA at 5 and the ragged tail 6, 7 (facts §2)
+    assert g["layer_types"] == ["linear_attention"] * 5 + ["full_attention"] * 3 and g["ragged_tail"] is True
+    assert list(m.config.layer_types) == g["layer_types"]
+    assert g["load_report"]["unexpected_mtp_only"] > 0  # the MTP layer 8 is in the checkpoint, unused by the built-in
+    assert all(not str(b).startswith("parity.") for b in g["native_kda_kernels"].values())
+    assert g["inv_freq"]["checked"]
+    json.dumps(g)
+
+
+def test_bf16_load_keeps_the_explicit_dtype():
+    with _env(LING3_TWIN_KERNELS="torch"):
+        lm = L.load_model(TINY_FLASH, "remote", dtype=torch.bfloat16, cpu_kernels=False)
+    assert lm.guards["dtype"] == "bfloat16" and "bfloat16" in lm.guards["param_dtypes"]
+    attn = lm.model.model.layers[0].attention
+    assert attn.A_log.dtype == torch.float32  # fp32 in the official file (ORC §6)
+
+
+def test_bad_arguments_raise_clear_errors(tmp_path):
+    with pytest.raises(ParityError, match="runtime 'twin'"):
+        L.load_model(TINY, "twin")
+    with pytest.raises(ParityError, match="dtype 'fp16'"):
+        L.load_model(TINY, "remote", dtype="fp16")
+    with pytest.raises(ParityError, match="native-runtime override"):
+        L.load_model(TINY, "remote", layer_types=["linear_attention"] * 8)
+    with pytest.raises(ParityError, match="set by the loader's guards"):
+        L.load_model(TINY, "remote", config_overrides={"attn_implementation": "sdpa"})
+    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+        L.load_model(tmp_path / "nope", "remote")
+    d = tmp_path / "no_auto_map"
+    d.mkdir()
+    cfg = json.loads((TINY / "config.json").read_text())
+    cfg.pop("auto_map")
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="auto_map"):
+        L.load_model(d, "remote")
+    assert not fla_cpu.is_installed()
+
+
+def test_load_report_check():
+    cfg = Ling3Config.from_pretrained_dir(TINY, strict=False)
+    ok = {"missing_keys": set(), "unexpected_keys": {"model.layers.8.enorm.weight"}, "mismatched_keys": set()}
+    assert L._check_load_report(ok, cfg, TINY, "native") == {"missing": 0, "unexpected_mtp_only": 1}
+    with pytest.raises(CheckpointError, match="would be random"):
+        L._check_load_report({"missing_keys": {"model.norm.weight"}}, cfg, TINY, "remote")
+    with pytest.raises(CheckpointError, match="outside the MTP layer"):
+        L._check_load_report({"unexpected_keys": {"model.layers.3.foo"}}, cfg, TINY, "native")
+
+
+# ----------------------------------------------------------------------------------------------- inv_freq
+def _want_inv_freq(cfg: Ling3Config) -> torch.Tensor:
+    """θ^{-2j/r} (facts §4.3) in float64, written out here."""
+    r = cfg.qk_rope_head_dim
+    return torch.tensor([cfg.rope_theta ** (-2 * j / r) for j in range(r // 2)], dtype=torch.float64)
+
+
+def test_uninitialised_inv_freq_quirk_is_repaired(twin_own):
+    """Twin quirk switch: inv_freq left as `empty_like` memory, like the official file on 5.x (ORC §1.4)."""
+    with _env(LING3_TWIN_KERNELS="torch"):
+        lm = L.load_model(TINY, "remote", cpu_kernels=False, config_overrides={"twin_quirk_uninit_inv_freq": True})
+    buf = lm.model.model.rotary_emb.inv_freq
+    torch.testing.assert_close(buf.double(), _want_inv_freq(lm.config), rtol=1e-6, atol=0)
+    ids = _ids(30)
+    torch.testing.assert_close(_logits(lm.model, ids), _logits(twin_own.model, ids), rtol=1e-6, atol=1e-6)
+    rec = lm.guards["inv_freq"]["buffers"]["model.rotary_emb.inv_freq"]
+    assert set(rec) >= {"max_rel_deviation_before", "repaired"}
+
+
+def test_repair_records_and_fixes_garbage(twin_own):
+    m, cfg = twin_own.model, twin_own.config
+    ids = _ids(30)
+    good = _logits(m, ids)
+    buf = m.model.rotary_emb.inv_freq
+    with torch.no_grad():
+        buf.copy_(torch.linspace(3.0, 0.5, buf.numel()))  # garbage RoPE
+    broken = _logits(m, ids)
+    assert _rel(broken, good) > 1e-3  # the logits comparison does see a wrong inv_freq
+    rec = L.repair_inv_freq(m, cfg)["buffers"]["model.rotary_emb.inv_freq"]
+    assert rec["repaired"] is True and rec["max_rel_deviation_before"] > 1.0
+    torch.testing.assert_close(buf.double(), _want_inv_freq(cfg), rtol=1e-6, atol=0)
+    torch.testing.assert_close(_logits(m, ids), good, rtol=0, atol=0)
+    with torch.no_grad():
+        buf.fill_(float("nan"))
+    assert L.repair_inv_freq(m, cfg)["buffers"]["model.rotary_emb.inv_freq"]["max_rel_deviation_before"] == "non-finite"
+
+
+# ----------------------------------------------------------------------------------------------- causality
+def test_causality_passes_for_eager(twin_own, native_flash):
+    ids = _ids(80, seed=2)  # > 64 tokens: prefixes use the recurrent KDA path, the full prompt the chunked one
+    for lm in (twin_own, native_flash):
+        res = L.check_causality(lm.model, ids)
+        assert res["passed"] and res["prefix_lengths"] == [1, 20, 40, 79]
+        assert res["max_abs_diff"] <= res["rtol"] * res["logit_scale"]
+        json.dumps(res)
+
+
+def test_causality_fails_for_the_noncausal_sdpa_quirk():
+    """Built directly (bypassing the loader's eager guard): sdpa + the twin's reproduction of the official
+    bidirectional MLA (ORC §2). The prefix test must raise."""
+    from transformers import AutoModelForCausalLM
+
+    with _env(LING3_TWIN_KERNELS="torch"):
+        bad = AutoModelForCausalLM.from_pretrained(TINY, trust_remote_code=True, dtype=torch.float32,
+                                                   attn_implementation="sdpa", twin_quirk_noncausal_sdpa=True,
+                                                   local_files_only=True).eval()
+    assert bad.config._attn_implementation == "sdpa"
+    with pytest.raises(ParityError, match="not causal"):
+        L.check_causality(bad, _ids(30))
+
+
+def test_check_causality_bad_input(twin_own):
+    with pytest.raises(ParityError, match="T ≥ 2"):
+        L.check_causality(twin_own.model, torch.tensor([[5]]))
+
+
+# ----------------------------------------------------------------------------------------------- decode positions
+def test_decode_positions_and_manual_decode(twin_stand_ins):
+    p = L.decode_positions(7, 3, batch=2)
+    assert p["position_ids"].tolist() == [[7, 8, 9], [7, 8, 9]] and p["cache_position"].tolist() == [7, 8, 9]
+    with pytest.raises(ParityError):
+        L.decode_positions(-1, 1)
+    # prefill 20 + 4 single-token steps with explicit positions == one forward over 24 tokens (stand-in conv cache
+    # updated in place, fused_recurrent_kda carrying the state)
+    m = twin_stand_ins.model
+    ids = _ids(24, seed=4)
+    full = _logits(m, ids)
+    with torch.no_grad():
+        out = m(input_ids=ids[:, :20], use_cache=True)
+        pkv, steps = out.past_key_values, [out.logits]
+        for t in range(20, 24):
+            out = m(input_ids=ids[:, t:t + 1], past_key_values=pkv, use_cache=True, **L.decode_positions(t, 1))
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- twin via stand-ins
+def test_twin_really_calls_the_stand_ins(twin_stand_ins, twin_own):
+    a = twin_stand_ins.model.model.layers[0].attention
+    assert type(a.q_conv1d) is fla_cpu.ShortConvolution and type(a.o_norm) is fla_cpu.FusedRMSNormGated
+    assert type(twin_own.model.model.layers[0].attention.q_conv1d).__module__.startswith("transformers_modules.")
+    assert twin_stand_ins.guards["fla_kernels"].startswith("cpu stand-ins")
+    calls = []
+    fla_cpu.set_kda_observer(lambda d: calls.append(d["kernel"]))
+    try:
+        _logits(twin_stand_ins.model, _ids(40))
+        _logits(twin_stand_ins.model, _ids(100))
+    finally:
+        fla_cpu.set_kda_observer(None)
+    n_kda = len(twin_stand_ins.config.kda_layers)
+    assert calls == ["recurrent"] * n_kda + ["chunk"] * n_kda  # ≤ 64 tokens recurrent, beyond chunked (§3.10)
+
+
+@pytest.mark.parametrize("T", [40, 100], ids=["T40_recurrent", "T100_chunk"])
+def test_twin_via_stand_ins_matches_twin_own_path(twin_stand_ins, twin_own, T):
+    ids = _ids(T, seed=5)
+    r = _rel(_logits(twin_stand_ins.model, ids), _logits(twin_own.model, ids))
+    assert r <= REL_TOL, f"T={T}: logits rel-L2 {r:.3g} > {REL_TOL}"
+
+
+@pytest.mark.parametrize("T", [40, 100])
+def test_stand_in_comparison_detects_a_broken_gate(twin_stand_ins, twin_own, monkeypatch, T):
+    real = fla_cpu.kda_gate
+    monkeypatch.setattr(fla_cpu, "kda_gate", lambda g, A, dt, lb: real(g, A, dt, None if lb is None else lb + 0.5))
+    ids = _ids(T, seed=5)
+    r = _rel(_logits(twin_stand_ins.model, ids), _logits(twin_own.model, ids))
+    assert r > REL_TOL, f"a lower bound of -4.5 instead of -5 went unnoticed (rel-L2 {r:.3g})"
