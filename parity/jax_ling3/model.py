@@ -71,7 +71,10 @@ class Ling3Model:
     def _layer(self, i: int):
         if i in self._weights:
             return self._weights[i]
-        p = to_device(self.reader.layer_params(i, self.dtype), self.place)
+        if self.place is None:  # stream each tensor to the device as it is converted (peak ≈ one layer)
+            p = self.reader.layer_params(i, self.dtype, put=jnp.asarray)
+        else:
+            p = to_device(self.reader.layer_params(i, self.dtype), self.place)
         if self.keep_weights:
             self._weights[i] = p
         return p

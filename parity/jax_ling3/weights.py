@@ -192,17 +192,30 @@ class _Canon:
         return a
 
 
-def convert_layer(cfg: Ling3Config, i: int, hf_tensors: Mapping[str, np.ndarray], dtype: str) -> dict:
+class _Sink(dict):
+    """A dict that passes every stored array through `put` (e.g. jnp.asarray) as soon as it is produced, so the
+    numpy copy can be freed before the next tensor is converted (peak ≈ one layer + one tensor)."""
+
+    def __init__(self, put):
+        super().__init__()
+        self.put = put
+
+    def __setitem__(self, k, v):
+        super().__setitem__(k, v if isinstance(v, dict) or self.put is None else self.put(v))
+
+
+def convert_layer(cfg: Ling3Config, i: int, hf_tensors: Mapping[str, np.ndarray], dtype: str, put=None) -> dict:
     """Pure: HF tensors of layer i (raw checkpoint names, official or built-in) -> JAX-layout numpy params:
     {"input_layernorm", "post_attention_layernorm", "attention": {...}, "mlp": {...}} (seed §3.6).
-    Tensors are read from `hf_tensors` one at a time, so a lazy mapping streams."""
+    Tensors are read from `hf_tensors` one at a time, so a lazy mapping streams; `put` (optional) is applied to each
+    converted array as it is produced (e.g. `jnp.asarray` to move it to the device at once)."""
     dt = _np_dtype(dtype)
     src = _Canon(cfg, i, hf_tensors)
     D, H = cfg.hidden_size, cfg.num_attention_heads
     lin = lambda s, o, n: _t(src.get(s, (o, n)), dt)  # noqa: E731  ckpt [out, in] -> [in, out]
-    out: dict = {"input_layernorm": _c(src.get("input_layernorm.weight", (D,)), dt),
-                 "post_attention_layernorm": _c(src.get("post_attention_layernorm.weight", (D,)), dt)}
-    att: dict = {}
+    out, att, mlp = _Sink(put), _Sink(put), _Sink(put)
+    out["input_layernorm"] = _c(src.get("input_layernorm.weight", (D,)), dt)
+    out["post_attention_layernorm"] = _c(src.get("post_attention_layernorm.weight", (D,)), dt)
     if cfg.layer_kind(i) == "kda":
         P, d, W = cfg.kda_proj_size, cfg.head_dim, cfg.short_conv_kernel_size
         for n in ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj"):  # g_proj: element-wise [P,D] here (§3.1)
@@ -228,7 +241,6 @@ def convert_layer(cfg: Ling3Config, i: int, hf_tensors: Mapping[str, np.ndarray]
         att["g_proj"] = lin("attention.g_proj.weight", H, D)  # head-wise gate [H,D] -> [D,H] (§4.6)
         att["dense"] = lin("attention.dense.weight", D, H * cfg.v_head_dim)  # MLA output projection (§4.7)
     out["attention"] = att
-    mlp: dict = {}
     if cfg.is_moe(i):
         E, I = cfg.num_experts, cfg.moe_intermediate_size
         mlp["router"] = _t(src.get("mlp.gate.weight", (E, D)), np.float32)  # [E,D] -> [D,E], fp32 (seed §3.5)
@@ -250,7 +262,7 @@ def convert_layer(cfg: Ling3Config, i: int, hf_tensors: Mapping[str, np.ndarray]
         mlp["up_proj"] = lin("mlp.up_proj.weight", I, D)
         mlp["down_proj"] = lin("mlp.down_proj.weight", D, I)
     out["mlp"] = mlp
-    return out
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in out.items()}
 
 
 def convert_globals(cfg: Ling3Config, hf_tensors: Mapping[str, np.ndarray], dtype: str) -> dict:
@@ -388,9 +400,10 @@ class CheckpointReader:
         return {k: lazy[k] for k in lazy}
 
     # -- converted params (JAX layout, numpy arrays; put on device with jnp.asarray / sharding.place)
-    def layer_params(self, i: int, dtype: str) -> dict:
-        """Layer i's params, streamed tensor by tensor (peak ≈ one layer's weights + one tensor)."""
-        return convert_layer(self.config, i, self.lazy_tensors(i), dtype)
+    def layer_params(self, i: int, dtype: str, put=None) -> dict:
+        """Layer i's params, streamed tensor by tensor; with `put=jnp.asarray` each array goes to the device as soon
+        as it is converted (peak ≈ one layer's weights + one tensor)."""
+        return convert_layer(self.config, i, self.lazy_tensors(i), dtype, put)
 
     def global_params(self, dtype: str) -> dict:
         return convert_globals(self.config, self.hf_global_tensors(), dtype)
