@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 
 from parity import dumpfile
 from parity.config import PRESETS
-from parity.dumpfile import DumpReader, DumpWriter, fingerprint_checkpoint, validate_dump
+from parity.dumpfile import DumpReader, DumpWriter, fingerprint_checkpoint, seal_dump, validate_dump
 from parity.errors import CheckpointError, DumpError
 from parity.points import Point
 
@@ -95,6 +95,9 @@ def test_bf16_comparison_detects_a_changed_nan_payload(tmp_path):
     i = SPECIAL_BF16_BITS.index(0x7FC1)
     with h5py.File(path, "r+") as f:
         f[P_CORE.h5_path()][i] = 0x7FC0
+    with pytest.raises(DumpError, match="damaged file: sha256"):  # the seal notices the edit ...
+        DumpReader(path)
+    seal_dump(path)  # ... so bless it, to see what the bit comparison itself does
     with DumpReader(path) as r:
         got = r.read(P_CORE).view(np.uint16)
     assert not np.array_equal(got, bits)
@@ -341,7 +344,7 @@ def test_killed_writer_leaves_no_dump(tmp_path):
     assert not path.exists()
     tmp = Path(line.split(maxsplit=1)[1].strip())
     assert tmp.exists() and tmp.parent == tmp_path and tmp.name.startswith("d.h5.tmp-")
-    with pytest.raises(DumpError, match=r"did not finish|damaged|truncated") as e:
+    with pytest.raises(DumpError, match=r"incomplete dump \(no seal\): written by a run that did not finish") as e:
         validate_dump(tmp)
     assert str(tmp) in str(e.value)
     with pytest.raises(DumpError):
@@ -356,8 +359,10 @@ def good_dump(tmp_path) -> Path:
 
 
 def _edit(path: Path, fn) -> Path:
+    """A deliberate edit with plain h5py, re-sealed so that the semantic checks (not the seal) are exercised."""
     with h5py.File(path, "r+") as f:
         fn(f)
+    seal_dump(path)
     return path
 
 
@@ -374,7 +379,7 @@ def test_foreign_and_missing_files(tmp_path):
     other = tmp_path / "other.h5"
     with h5py.File(other, "w") as f:
         f["x"] = np.zeros(3)
-    with pytest.raises(DumpError, match=r"other\.h5: foreign file: HDF5 without a 'schema' attribute"):
+    with pytest.raises(DumpError, match=r"other\.h5: foreign file: an HDF5 file without the ling3-parity .*seal"):
         DumpReader(other)
     with pytest.raises(DumpError, match="no such dump file"):
         validate_dump(tmp_path / "absent.h5")
@@ -394,6 +399,7 @@ def test_foreign_and_missing_files(tmp_path):
         (lambda f: f.attrs.__setitem__("config_json", "{not json"), r"config_json is not valid JSON"),
         (lambda f: f.create_group("prefill/Layer4"), r"expected 'model' or a layer group"),
         (lambda f: f.__delitem__("tokens"), r"/tokens missing"),
+        (lambda f: f.attrs.__delitem__("schema"), r"foreign file: HDF5 without a 'schema' attribute"),
     ],
 )
 def test_validation_errors(good_dump, edit, message):
@@ -407,13 +413,27 @@ def test_validation_errors(good_dump, edit, message):
 
 def test_truncated_file(good_dump):
     data = good_dump.read_bytes()
-    for cut in (len(data) // 2, len(data) - 100, 2048):
+    for cut in (len(data) // 2, len(data) - 1, 600):
         good_dump.write_bytes(data[:cut])
-        with pytest.raises(DumpError) as e:
-            with DumpReader(good_dump) as r:
-                for p in r.points():
-                    r.read(p)
+        with pytest.raises(DumpError, match=rf"truncated file: {cut} bytes, the seal says {len(data)}") as e:
+            DumpReader(good_dump, verify=False)
         assert str(good_dump) in str(e.value)
+    good_dump.write_bytes(data[:40])  # inside the seal line itself
+    with pytest.raises(DumpError, match="damaged seal"):
+        validate_dump(good_dump)
+
+
+def test_seal_detects_one_changed_byte_anywhere(good_dump):
+    data = good_dump.read_bytes()
+    assert data.startswith(dumpfile.SEAL_MAGIC) and data[512:520] == b"\x89HDF\r\n\x1a\n"
+    sealed = json.loads(data[len(dumpfile.SEAL_MAGIC):512].split(b"\n")[0])
+    assert sealed == {"size": len(data), "sha256": hashlib.sha256(data[512:]).hexdigest()}  # independent hashlib
+    for pos in (512, len(data) // 2, len(data) - 1):
+        good_dump.write_bytes(data[:pos] + bytes([data[pos] ^ 0x01]) + data[pos + 1:])
+        with pytest.raises(DumpError, match="damaged file: sha256"):
+            validate_dump(good_dump)
+    good_dump.write_bytes(data)
+    validate_dump(good_dump)
 
 
 def test_fingerprint_mismatch_names_both(good_dump):
