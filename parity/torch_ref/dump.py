@@ -105,8 +105,8 @@ def _versions() -> dict:
 
     return {
         "tool_version": parity.__version__,
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
+        "torch_version": str(torch.__version__),
+        "transformers_version": str(transformers.__version__),
         "fla_version": fla_v,
         "python_version": platform.python_version(),
     }
@@ -134,24 +134,24 @@ def _cache_snapshot(pkv, cfg: Ling3Config, layer: int) -> dict[str, torch.Tensor
     if pkv is None or cfg.layer_kind(layer) != "kda":
         return {}
     out: dict[str, torch.Tensor] = {}
-    if hasattr(pkv, "get_recurrent_state"):
+    layers = getattr(pkv, "layers", None)
+    entry = layers[layer] if layers is not None and layer < len(layers) else None
+    keys, values = getattr(entry, "keys", None), getattr(entry, "values", None)
+    if isinstance(keys, torch.Tensor) and keys.dim() == 4:  # official / twin layout
+        out["attention.state"] = keys
+        if isinstance(values, (tuple, list)) and len(values) == 3 and all(isinstance(v, torch.Tensor) for v in values):
+            out["attention.conv_state"] = torch.stack(list(values))
+        return out
+    try:  # built-in hybrid cache
         st = pkv.get_recurrent_state(layer, state_idx=0)
         cv = pkv.get_conv_state(layer, state_idx=0)
-        if st is not None:
-            out["attention.state"] = st
-        if cv is not None:  # [B, 3P, W] -> [3, B, P, W]
-            b, c3, w = cv.shape
-            out["attention.conv_state"] = cv.view(b, 3, c3 // 3, w).transpose(0, 1)
+    except (AttributeError, ValueError, IndexError):
         return out
-    layers = getattr(pkv, "layers", None)
-    if layers is None or layer >= len(layers):
-        return {}
-    entry = layers[layer]
-    keys, values = getattr(entry, "keys", None), getattr(entry, "values", None)
-    if isinstance(keys, torch.Tensor):
-        out["attention.state"] = keys
-    if isinstance(values, (tuple, list)) and len(values) == 3 and all(isinstance(v, torch.Tensor) for v in values):
-        out["attention.conv_state"] = torch.stack(list(values))
+    if st is not None:
+        out["attention.state"] = st
+    if cv is not None:  # one merged q|k|v conv state [B, 3P, W] -> [3, B, P, W]
+        b, c3, w = cv.shape
+        out["attention.conv_state"] = cv.view(b, 3, c3 // 3, w).transpose(0, 1)
     return out
 
 
@@ -312,7 +312,10 @@ def _count_layers(model, cfg, layers, progress, cap: Capture) -> None:
     for i in layers:
         for name in (f"model.layers.{i}", f"layers.{i}"):
             if name in mods:
-                cap.handles.append(mods[name].register_forward_hook(lambda *_: progress.update(1)))
+                def tick(*_):  # a forward hook's return value would replace the module output: return None
+                    progress.update(1)
+
+                cap.handles.append(mods[name].register_forward_hook(tick))
                 break
 
 
