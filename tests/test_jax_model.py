@@ -89,11 +89,13 @@ def test_tiny_flash_clamp_matters(flash_case):
     class Perturbed:
         config = reader.config
 
-        def layer_params(self, i, dtype):
+        def layer_params(self, i, dtype, put=None):
             p = reader.layer_params(i, dtype)
             if i == 3:
                 p["attention"]["A_log"] = p["attention"]["A_log"] + np.float32(0.01)
-            return p
+            import jax
+
+            return p if put is None else jax.tree_util.tree_map(put, p)
 
         def global_params(self, dtype):
             return reader.global_params(dtype)
