@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from parity.jax_ling3.norms import rms_norm
-from parity.jax_ling3.ops import linear
+from parity.jax_ling3.ops import dot_f32, linear
 from parity.jax_ling3.rope import apply_rope_interleaved, cos_sin
 from parity.jax_ling3.spec import LayerSpec
 
@@ -41,7 +41,7 @@ def init_mla_cache(batch: int, capacity: int, spec: LayerSpec) -> MLACache:
 
 def _mm(eq: str, a, b, dtype):
     """einsum in the activation dtype with fp32 accumulation, rounded once (a bf16 torch matmul)."""
-    return jnp.einsum(eq, a.astype(dtype), b.astype(dtype), preferred_element_type=F32).astype(dtype)
+    return dot_f32(eq, a.astype(dtype), b.astype(dtype)).astype(dtype)
 
 
 def _softmax_probs(scores_raw, scale: float, allowed, dtype):
@@ -125,7 +125,7 @@ def _naive(q_nope, q_rope, k_nope, v, k_rope, allowed, scale, dt):
     H = q.shape[2]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_rope.shape[:2], H, k_rope.shape[-1]))],
                         axis=-1)
-    probs = _softmax_probs(jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=F32).astype(dt), scale,
+    probs = _softmax_probs(dot_f32("bthd,bshd->bhts", q, k).astype(dt), scale,
                            allowed, dt)
     return _mm("bhts,bshv->bthv", probs, v, dt)
 
@@ -134,8 +134,8 @@ def _absorbed(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, allowed, scale, dt):
     """Absorbed form (facts §4.5): q̃_h = W_UKᵀ q_nope_h ∈ R^c; score = s·(q̃·c_kv + q_rope·k_rope);
     z_h = Σ p c_kv; o_h = W_UV z_h. w_uk [c,H,n], w_uv [c,H,v]; c_kv [B,S,c]; k_rope [B,S,r]."""
     q_lat = _mm("bthn,chn->bthc", q_nope, w_uk, dt)
-    raw = (jnp.einsum("bthc,bsc->bhts", q_lat, c_kv, preferred_element_type=F32)
-           + jnp.einsum("bthr,bsr->bhts", q_rope, k_rope, preferred_element_type=F32)).astype(dt)
+    raw = (dot_f32("bthc,bsc->bhts", q_lat, c_kv)
+           + dot_f32("bthr,bsr->bhts", q_rope, k_rope)).astype(dt)
     probs = _softmax_probs(raw, scale, allowed, dt)
     z = _mm("bhts,bsc->bthc", probs, c_kv, dt)
     return _mm("bthc,chv->bthv", z, w_uv, dt)

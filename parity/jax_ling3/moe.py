@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from parity.jax_ling3.ops import linear, silu
+from parity.jax_ling3.ops import dot_f32, linear, silu
 from parity.jax_ling3.spec import LayerSpec, ModelSpec
 
 F32 = jnp.float32
@@ -74,10 +74,9 @@ def routed_experts(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, li
     """Σ_i w_i · Expert_{e_i}(x), expert outputs in the activation dtype, weighted sum in fp32, cast once (facts §5.5).
     p: experts_gate/up [E,D,I], experts_down [E,I,D]; x [N,D]; idx/w [N,k]."""
     dt = x.dtype
-    g = jnp.einsum("nd,edi->nei", x, p["experts_gate"].astype(dt), preferred_element_type=F32).astype(dt)
-    u = jnp.einsum("nd,edi->nei", x, p["experts_up"].astype(dt), preferred_element_type=F32).astype(dt)
-    y = jnp.einsum("nei,eid->ned", swiglu(g, u, limit), p["experts_down"].astype(dt),
-                   preferred_element_type=F32).astype(dt)
+    g = dot_f32("nd,edi->nei", x, p["experts_gate"].astype(dt)).astype(dt)
+    u = dot_f32("nd,edi->nei", x, p["experts_up"].astype(dt)).astype(dt)
+    y = dot_f32("nei,eid->ned", swiglu(g, u, limit), p["experts_down"].astype(dt)).astype(dt)
     E = p["experts_gate"].shape[0]
     combine = jnp.sum(jax.nn.one_hot(idx, E, dtype=F32) * w[..., None].astype(F32), axis=-2)  # [N,E]
     return jnp.einsum("ned,ne->nd", y.astype(F32), combine, precision=HI).astype(dt)

@@ -6,14 +6,28 @@ import jax
 import jax.numpy as jnp
 
 
+F32 = jnp.float32
+
+
+def dot_f32(eq: str, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
+    """einsum with fp32 accumulation, fp32 result (the caller rounds once to its dtype).
+
+    XLA:CPU has no bf16×bf16→f32 dot (`UNIMPLEMENTED: ... DotThunk`), so on CPU the operands are upcast: a product of
+    two bf16 values is exact in fp32, so this computes the same products with the same fp32 accumulation a bf16 GEMM
+    with fp32 accumulate does. On TPU/GPU the bf16 operands go to the MXU/tensor cores directly.
+    """
+    if jax.default_backend() == "cpu" or (a.dtype == F32 and b.dtype == F32):
+        return jnp.einsum(eq, a.astype(F32), b.astype(F32), precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum(eq, a, b, preferred_element_type=F32)
+
+
 def linear(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
     """`x @ w` with w in JAX layout [in, out] (seed §3.6: HF [out, in] transposed at load).
 
     Accumulates in fp32 and rounds once to the activation dtype, as torch's bf16 GEMMs do (env_notes: bf16×bf16
     matmuls accumulate in fp32 on both), so no silent promotion: bf16 in -> bf16 out.
     """
-    y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    return dot_f32("...i,io->...o", x, w.astype(x.dtype)).astype(x.dtype)
 
 
 def silu(x: jnp.ndarray) -> jnp.ndarray:
