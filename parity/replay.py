@@ -275,3 +275,48 @@ def replay_free(ctx: ReplayContext, progress: Callable[[str], None] | None = Non
         for s in ("final_norm", "logits"):
             records.append(compare_point(ctx, Point(phase, step, None, s), head.get(s)))
     return records
+
+
+def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", rules=None,
+               layers=None, progress: Callable[[str], None] | None = None) -> dict:
+    """Programmatic replay of a whole dump: returns the report dict (parity.report.build_report).
+
+    ckpt_dir defaults to the bundled checkpoint with the dump's fingerprint; target defaults to the reference target;
+    rules to the default tolerance table. `pytest parity` does the same thing point by point.
+    """
+    from pathlib import Path
+
+    from parity.dumpfile import DumpReader
+    from parity.jax_ling3.weights import CheckpointReader
+    from parity.numerics.tolerances import default_rules
+    from parity.report import build_report
+
+    dump = DumpReader(dump_path)
+    try:
+        if ckpt_dir is None:
+            from parity.plugin import find_checkpoint
+
+            ckpt_dir = find_checkpoint(dump.fingerprint, None)
+        if target is None:
+            from parity.targets.reference import ReferenceTarget
+
+            target = ReferenceTarget()
+        dtype = dump.meta.get("compute_dtype", "bfloat16")
+        target.build(dump.config, dtype)
+        ctx = ReplayContext(dump=dump, ckpt=CheckpointReader(Path(ckpt_dir)), target=target,
+                            rules=rules or default_rules(), mode=mode, dtype=dtype)
+        if mode == "free":
+            records = replay_free(ctx, progress)
+        else:
+            records = []
+            todo = range(dump.config.num_hidden_layers) if layers is None else layers
+            for i in todo:
+                if dump.has(Point("prefill", 0, i, "input")):
+                    records += replay_layer(ctx, i)
+                    if progress:
+                        progress(f"layer {i}")
+            records += replay_model_points(ctx)
+        return build_report(dump.config, records, dump=str(dump_path), target=getattr(target, "name", "?"),
+                            mode=mode)
+    finally:
+        dump.close()
