@@ -72,14 +72,14 @@ STORAGE = {
 }
 IO_KINDS = ("input", "output")
 
-# Compression, measured on this machine (2 cores, shared) with a 50 MB bf16 array of N(0, 0.5) values stored as
-# uint16, chunks of 256x2048 (1 MiB), h5py 3.16, `python /tmp/bench_comp.py`-style loop, write / read / size ratio:
-#   none            ~950 MB/s / ~2400 MB/s / 1.00
-#   lzf             ~110 MB/s /  ~280 MB/s / 0.996   (bf16 bits barely compress without shuffle)
-#   lzf + shuffle   ~115 MB/s /  ~420 MB/s / 0.84    <- chosen
-#   gzip 1 + shuffle ~60 MB/s /  ~280 MB/s / 0.74
-#   gzip 1           ~40 MB/s /  ~200 MB/s / 0.80
-# lzf + shuffle writes twice as fast as gzip 1 + shuffle for 12 % more bytes; the dump streams as hooks fire, so write
+# Compression, measured on this machine (2 shared cores): one [12800, 2048] bf16 array of N(0, 0.5) values (52 MB)
+# written with DumpWriter.write (1 MiB chunks), then DumpReader(...).read; two runs each, MB/s of array bytes:
+#                     write     write + finish (seal)   open (sha256) + read   size / raw
+#   lzf + shuffle     142-149   118-126                 240-300                0.84    <- chosen
+#   gzip 1 + shuffle   53-54     50-51                  195-245                0.72
+#   none             2300-2700  490-560                 620-685                1.00
+# (plain h5py, no writer, 51 KB auto-chunks: lzf alone 116 MB/s but size 0.996 — bf16 bits need the shuffle.)
+# lzf + shuffle writes ~2.7x faster than gzip 1 + shuffle for 16 % more bytes; a dump streams as hooks fire, so write
 # speed is what slows a real-model dump. Both are built into h5py (no extra package, DESIGN §4).
 COMPRESSION = dict(compression="lzf", shuffle=True)
 CHUNK_BYTES = 1 << 20  # ~1 MiB chunks: large enough for the filters to be efficient, small enough for lazy slicing
@@ -382,7 +382,8 @@ class DumpWriter:
         self._tokens = False
         self._closed = False
         # libver v110: checksummed metadata (readable by HDF5 >= 1.10); the userblock holds the seal (see _seal).
-        self._f = h5py.File(self.tmp_path, "w", userblock_size=USERBLOCK, libver=("v110", "v110"))
+        with _h5_errors(self.tmp_path, "cannot create the temporary dump file"):
+            self._f = h5py.File(self.tmp_path, "w", userblock_size=USERBLOCK, libver=("v110", "v110"))
         try:
             root = self._f.attrs
             root["schema"] = SCHEMA
