@@ -245,10 +245,6 @@ def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(max(1, c) for c in chunk)
 
 
-def _point_label(point: Point) -> str:
-    return point.key()
-
-
 def _sort_key(p: Point) -> tuple:
     return (_PHASES.index(p.phase) if p.phase in _PHASES else 9, p.step, -1 if p.layer is None else p.layer, p.site)
 
@@ -388,7 +384,7 @@ class DumpWriter:
             root = self._f.attrs
             root["schema"] = SCHEMA
             root["version"] = VERSION
-            root["created_utc"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            root["created_utc"] = _created_utc(self.path)
             for k, v in attrs.items():
                 root[k] = v
             root["json_keys"] = json.dumps(sorted(json_keys))
@@ -536,6 +532,21 @@ class DumpWriter:
         if not ok or (point.layer is not None and point.layer < 0) or not point.site or "/" in point.site:
             raise DumpError(f"{self.path}: malformed point {point!r}: expected prefill step 0 or decode step >= 1, "
                             "layer None or >= 0, a site name without '/'")
+
+
+def _created_utc(path: Path) -> str:
+    """Now, or $SOURCE_DATE_EPOCH (reproducible-builds convention): with it set, the same dump regenerated is
+    byte-identical (created_utc is the only run-dependent byte; HDF5 stores no object times by default), which the
+    bit-identical regeneration check of the golden dumps (DESIGN §4) needs."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if epoch is None:
+        t = _dt.datetime.now(_dt.timezone.utc)
+    else:
+        try:
+            t = _dt.datetime.fromtimestamp(int(epoch), _dt.timezone.utc)
+        except (ValueError, OverflowError, OSError):
+            raise DumpError(f"{path}: SOURCE_DATE_EPOCH={epoch!r}, expected integer seconds since 1970") from None
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _tool_version() -> str:

@@ -273,6 +273,23 @@ def test_finish_without_tokens_leaves_nothing(tmp_path):
     assert not path.exists() and not list(tmp_path.glob("d.h5.tmp-*"))
 
 
+def test_regeneration_is_byte_identical_with_source_date_epoch(tmp_path, monkeypatch):
+    """The golden-dump check of DESIGN §4 needs bit-identical regeneration: created_utc is the only varying byte."""
+    arrays = {P_CORE: np.arange(12, dtype=np.float32).reshape(3, 4)}
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    a = write_dump(tmp_path / "a.h5", arrays).read_bytes()
+    b = write_dump(tmp_path / "b.h5", arrays).read_bytes()
+    assert a == b
+    with DumpReader(tmp_path / "a.h5") as r:
+        assert r.meta["created_utc"] == "2023-11-14T22:13:20Z"  # date -u -d @1700000000
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000001")  # perturbation: one second later, bytes differ
+    assert write_dump(tmp_path / "c.h5", arrays).read_bytes() != a
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "yesterday")
+    with pytest.raises(DumpError, match="SOURCE_DATE_EPOCH='yesterday'"):
+        write_dump(tmp_path / "d.h5", arrays)
+    assert not list(tmp_path.glob("d.h5*"))
+
+
 def test_writes_go_to_a_temporary_sibling(tmp_path):
     path = tmp_path / "d.h5"
     with DumpWriter(path, make_meta()) as w:
