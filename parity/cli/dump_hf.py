@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", help="text file, one prompt per line")
     src.add_argument("--builtin-prompt", choices=["long", "short"],
                      help="long: >= 512 position-sensitive tokens (default); short: <= 64 tokens")
+    src.add_argument("--prompt-len", type=int,
+                     help="built-in deterministic ids of this length (recurring motif, seed --seed) instead")
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--continuation", help="teacher-forced decode ids (comma-separated) instead of greedy")
     p.add_argument("--layers", help="layers to dump, e.g. 0-3,7 (default all)")
@@ -75,6 +77,8 @@ def collect_ids(args, ckpt: Path, vocab_size: int) -> list[list[int]]:
         except OSError as e:
             raise ParityError(f"--prompt-file {args.prompt_file}: cannot read ({e.strerror})") from None
     seqs: list[list[int]] = [parse_ids(s) for s in (args.ids or [])]
+    if args.prompt_len:
+        seqs.append(builtin_ids(vocab_size, args.prompt_len, seed=args.seed).tolist()[0])
     builtin = args.builtin_prompt or (None if (texts or seqs) else "long")
     tokenizer = None
     if texts or builtin:

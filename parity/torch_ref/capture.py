@@ -284,6 +284,9 @@ class Capture:
         arr = to_numpy(t)
         shape_names = ""
         canon = canonical_shape(self.cfg, layer, site, self.batch, self.seq)
+        if site == "attention.kv_b_proj" and arr.ndim == 4 and arr.shape[2] > self.seq:
+            # the built-in re-expands the whole latent cache at each decode step: keep this step's positions
+            arr = arr[:, :, -self.seq:, :]
         if canon is not None:
             shape, shape_names = canon
             if arr.size != int(np.prod(shape)):

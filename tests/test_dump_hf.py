@@ -1,0 +1,201 @@
+"""tools/dump_hf.py and parity.torch_ref.dump on the bundled tiny checkpoints (issue: dump acceptance).
+
+What is checked independently of the dumper's own code: coverage against the canonical point list of DESIGN §3
+(parity.points), twin (remote) vs transformers' built-in bailing_hybrid (native) at every shared point, hook
+transparency (bit-identical logits), the official-quirk guards, atomic writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parity.config import Ling3Config
+from parity.dumpfile import DumpReader, validate_dump
+from parity.errors import DumpError, ParityError
+from parity.points import sites_for_config
+from parity.torch_ref.dump import DumpOptions, dump_checkpoint
+from parity.torch_ref.prompts import builtin_ids
+
+REPO = Path(__file__).resolve().parents[1]
+CKPT = REPO / "dumps" / "ckpt"
+IDS_80 = builtin_ids(512, 80, seed=3)  # > 64 tokens: the chunked KDA path
+
+
+def _opts(**kw) -> DumpOptions:
+    kw.setdefault("progress", False)
+    kw.setdefault("decode_steps", 2)
+    return DumpOptions(**kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_dump(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dump") / "tiny.h5"
+    dump_checkpoint(CKPT / "tiny", out, IDS_80, _opts(dtype="bfloat16"))
+    return out
+
+
+def test_dump_holds_every_canonical_point(tiny_dump):
+    cfg = Ling3Config.from_pretrained_dir(CKPT / "tiny")
+    with DumpReader(tiny_dump) as d:
+        assert d.unavailable() == {}  # the twin exposes every point through its taps
+        assert d.steps("decode") == [1, 2]
+        for phase, step, T in [("prefill", 0, 80), ("decode", 1, 1), ("decode", 2, 1)]:
+            for s in ("embed", "final_norm", "logits"):
+                assert d.has(_pt(phase, step, None, s)), (phase, step, s)
+            for i in range(cfg.num_hidden_layers):
+                want = set(sites_for_config(cfg, i)) | ({"attention.dense:in"} if cfg.layer_kind(i) == "mla" else set())
+                got = set(d.sites(phase, step, i))
+                assert want <= got, (phase, step, i, sorted(want - got))
+            # canonical shapes (parity.points.canonical_shape) and real dtypes
+            assert d.read(_pt(phase, step, 1, "attention.gate")).shape == (1, T, 4, 16)
+            assert str(d.read(_pt(phase, step, 1, "attention.gate")).dtype) == "float32"  # fp32 gate (facts §8)
+            assert str(d.read(_pt(phase, step, 1, "attention.q_proj")).dtype) == "bfloat16"
+            assert d.read(_pt(phase, step, 1, "attention.state")).shape == (1, 4, 16, 16)
+            assert d.read(_pt(phase, step, 3, "mlp.gate.topk_idx")).shape == (1, T, 4)
+        idx = d.read(_pt("prefill", 0, 3, "mlp.gate.topk_idx"))
+        assert (np.diff(idx, axis=-1) > 0).all()  # canonical order: ascending expert ids per token
+        assert d.input_ids.shape == (1, 82) and d.prompt_len == 80
+        meta = d.meta
+        assert meta["runtime"] == "remote" and meta["capture_map"] == "twin"
+        guards = meta["guards"] if isinstance(meta["guards"], dict) else json.loads(meta["guards"])
+        assert guards["causality"]["causal"] is True
+        assert "inv_freq" in json.dumps(guards)
+
+
+def _pt(phase, step, layer, site):
+    from parity.points import Point
+
+    return Point(phase, step, layer, site)
+
+
+def test_hooks_change_nothing(tmp_path):
+    """Logits of the dumped forward are bit-identical to a plain forward without hooks."""
+    import torch
+
+    from parity.torch_ref.loader import load_model
+
+    out = tmp_path / "d.h5"
+    dump_checkpoint(CKPT / "tiny", out, IDS_80, _opts(dtype="bfloat16", decode_steps=0))
+    lm = load_model(CKPT / "tiny", "remote", dtype=torch.bfloat16)
+    with torch.no_grad():
+        pos = torch.arange(80)
+        plain = lm.model(input_ids=torch.as_tensor(IDS_80), position_ids=pos[None], cache_position=pos,
+                         attention_mask=torch.ones(1, 80, dtype=torch.long), use_cache=True).logits
+    with DumpReader(out) as d:
+        dumped = d.read(_pt("prefill", 0, None, "logits"))
+    # the dump holds lm_head's own output (model dtype); the model returns it upcast with .float() (facts §6):
+    # bf16 -> fp32 is exact, so casting back recovers the bits
+    assert str(dumped.dtype) == "bfloat16"
+    plain_bits = plain.to(torch.bfloat16).view(torch.int16).numpy()
+    assert np.array_equal(dumped.view(np.int16), plain_bits)
+
+
+def test_twin_and_native_agree_at_every_shared_point(tmp_path):
+    """fp32, Flash-shaped (clamp off: the built-in has none). Measured: max rel-L2 over shared points ~3e-6."""
+    ck = tmp_path / "tf"
+    shutil.copytree(CKPT / "tiny-flash", ck)
+    cfgd = json.loads((ck / "config.json").read_text())
+    cfgd["expert_swiglu_limit_list"] = None
+    cfgd["share_expert_swiglu_limit_list"] = None
+    (ck / "config.json").write_text(json.dumps(cfgd, indent=2, sort_keys=True))
+    a, b = tmp_path / "remote.h5", tmp_path / "native.h5"
+    dump_checkpoint(ck, a, IDS_80, _opts(dtype="float32", runtime="remote"))
+    dump_checkpoint(ck, b, IDS_80, _opts(dtype="float32", runtime="native"))
+    with DumpReader(a) as ra, DumpReader(b) as rb:
+        shared = sorted(set(ra.points()) & set(rb.points()))
+        assert len(shared) > 300
+        assert rb.unavailable(), "the built-in hides some points; they must be declared, not zero-filled"
+        worst = (0.0, None)
+        for p in shared:
+            x, y = ra.read(p), rb.read(p)
+            assert x.shape == y.shape, p
+            if x.dtype.kind in "iu":
+                assert np.array_equal(x, y), p  # router ids, canonical order
+                continue
+            x, y = x.astype(np.float64), y.astype(np.float64)
+            rel = np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30)
+            worst = max(worst, (rel, p.key()))
+        assert worst[0] < 2e-5, worst
+
+
+def test_guards_catch_official_quirks(tmp_path):
+    """Each official-file trap switched on in the twin either fails the dump clearly or is neutralised."""
+    base = tmp_path / "base.h5"
+    dump_checkpoint(CKPT / "tiny", base, IDS_80[:, :40], _opts(dtype="float32"))
+    for quirk in ("twin_quirk_uninit_inv_freq", "twin_quirk_cache_len_from_layer0", "twin_quirk_noncausal_sdpa"):
+        ck = tmp_path / quirk
+        shutil.copytree(CKPT / "tiny", ck)
+        cfgd = json.loads((ck / "config.json").read_text())
+        cfgd[quirk] = True
+        (ck / "config.json").write_text(json.dumps(cfgd, indent=2, sort_keys=True))
+        out = tmp_path / f"{quirk}.h5"
+        try:
+            dump_checkpoint(ck, out, IDS_80[:, :40], _opts(dtype="float32"))
+        except ParityError as e:
+            assert "causal" in str(e) or "inv_freq" in str(e), str(e)
+            assert not out.exists()
+            continue
+        with DumpReader(base) as r0, DumpReader(out) as r1:
+            for p in r0.points():
+                np.testing.assert_array_equal(r0.read(p), r1.read(p), err_msg=f"{quirk}: {p.key()}")
+
+
+def test_refuses_overwrite_and_interrupted_dump_leaves_nothing(tmp_path, tiny_dump):
+    with pytest.raises(ParityError, match="--force"):
+        dump_checkpoint(CKPT / "tiny", tiny_dump, IDS_80, _opts())
+    out = tmp_path / "killed.h5"
+    code = (
+        "import sys; from parity.torch_ref.dump import DumpOptions, dump_checkpoint;"
+        "from parity.torch_ref.prompts import builtin_ids;"
+        f"dump_checkpoint({str(CKPT / 'tiny')!r}, {str(out)!r}, builtin_ids(512, 600, seed=1),"
+        " DumpOptions(progress=False, decode_steps=50))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob("killed.h5.tmp*")):
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()
+    leftovers = list(tmp_path.glob("killed.h5*"))
+    assert leftovers, "the writer should have been killed mid-write (temp file present)"
+    for f in leftovers:
+        with pytest.raises(DumpError):
+            validate_dump(f)
+
+
+def test_cli_end_to_end(tmp_path):
+    out = tmp_path / "cli.h5"
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "dump_hf.py"), str(CKPT / "tiny-flash"), "--out",
+                        str(out), "--builtin-prompt", "short", "--decode-steps", "1", "--layers", "0,5",
+                        "--sites", "attention.*,output", "--no-progress"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    with DumpReader(out) as d:
+        assert sorted(x for x in d.layers("prefill", 0) if x is not None) == [0, 5]
+        assert all(s.startswith("attention") or s == "output" for s in d.sites("prefill", 0, 5))
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "dump_hf.py"), str(CKPT / "tiny-flash"), "--out",
+                        str(out), "--builtin-prompt", "short"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and "--force" in r.stderr and r.stderr.count("\n") == 1
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "dump_hf.py"), str(CKPT / "tiny-flash"), "--out",
+                        str(tmp_path / "x.h5"), "--ids", "1,2,3", "--ids", "4,5"], capture_output=True, text=True)
+    assert r.returncode == 2 and "different lengths" in r.stderr
+
+
+def test_stats_only(tmp_path):
+    out = tmp_path / "s.h5"
+    dump_checkpoint(CKPT / "tiny", out, IDS_80[:, :20], _opts(stats_only=True, decode_steps=1))
+    with DumpReader(out) as d:
+        assert d.points() == [] or all(False for _ in d.points())
+        st = d.stats(_pt("prefill", 0, 3, "attention.core"))
+        assert st["shape"] == [1, 20, 64] and st["rms"] > 0 and st["nan"] == 0
