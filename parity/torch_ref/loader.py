@@ -360,7 +360,7 @@ def check_causality(model: torch.nn.Module, input_ids: torch.Tensor, *, prefix_l
                 f"from the full {T}-token prompt by max|Δ| = {d:.3g} > {tol:g} × max|logit| {scale:.3g} — future "
                 f"tokens leak into the past (load with attn_implementation='eager', official_remote_code.md §2)"
             )
-    return {"checked": True, "passed": True, "prompt_length": T, "prefix_lengths": lengths, "rtol": tol, **worst}
+    return {"checked": True, "passed": True, "causal": True, "prompt_length": T, "prefix_lengths": lengths, "rtol": tol, **worst}
 
 
 def decode_positions(past_len: int, n: int = 1, *, batch: int = 1, device: str | torch.device = "cpu") -> dict:
