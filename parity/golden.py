@@ -1,0 +1,42 @@
+"""The bundled golden dumps (`dumps/*.h5`): what they hold and the exact command that regenerates each.
+
+Both presets, bf16 and fp32, prefill + 4 decode steps. Between them the prompts cover ≤ 64 tokens (the official KDA's
+recurrent kernel) and > 64 tokens (its chunked kernel), for each preset (DESIGN §4).
+`tools/golden_dumps.py` regenerates them and rewrites `dumps/MANIFEST.json`; `tests/test_golden_dumps.py` checks that
+regeneration gives identical tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DUMPS = ROOT / "dumps"
+DECODE_STEPS = 4
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Golden:
+    file: str
+    ckpt: str  # bundled checkpoint directory under dumps/ckpt
+    dtype: str  # "bf16" | "fp32"
+    prompt_len: int
+
+    def args(self, out: str | Path | None = None) -> list[str]:
+        """dump_hf.py arguments (relative to the repository root)."""
+        return [f"dumps/ckpt/{self.ckpt}", "--out", str(out or f"dumps/{self.file}"), "--prompt-len",
+                str(self.prompt_len), "--decode-steps", str(DECODE_STEPS), "--dtype", self.dtype, "--seed", str(SEED),
+                "--force", "--no-progress"]
+
+    def command(self) -> str:
+        return "SOURCE_DATE_EPOCH=0 python tools/dump_hf.py " + " ".join(self.args())
+
+
+GOLDEN = (
+    Golden("tiny-bf16.h5", "tiny", "bf16", 40),
+    Golden("tiny-fp32.h5", "tiny", "fp32", 100),
+    Golden("tiny-flash-bf16.h5", "tiny-flash", "bf16", 100),
+    Golden("tiny-flash-fp32.h5", "tiny-flash", "fp32", 40),
+)
