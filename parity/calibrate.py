@@ -1,0 +1,643 @@
+"""Calibrate the default tolerance table from measured reference self-noise (DESIGN §5).
+
+DESIGN §5: defaults are *measured* from the noise between independently validated correct implementations, never
+tuned until a test goes green. This module:
+  1. builds a corpus (presets × seeds × prompt lengths × bf16/fp32; random checkpoints + twin dumps in a temp dir),
+  2. measures, per point, the noise of the JAX reference against the twin's dumps (`layer` and `free` replays), of
+     the twin against transformers' built-in `bailing_hybrid` (dumps compared directly), and of the twin's bf16 run
+     against its fp32 run (scale of bf16 rounding itself),
+  3. aggregates per site class × mode × (tensor dtype, compute dtype) and proposes rules = observed worst case ×
+     a stated safety factor, rounded up, with documented minimums (`propose_rules`), written as TOML.
+
+Per-point statistic (`point_noise`): the comparison runs on the same grid as `parity.numerics.compare` (bf16 for
+every tensor of a bf16 run — fp32 tensors of a mixed-precision run are rounded to bf16 first — fp32 for fp32 runs).
+For every element, `need` = |Δ| / ulp(RMS of its reference row) is the smallest `floor_ulps` that lets it pass by
+the absolute floor. For each candidate floor F in `FLOORS`, the *effective* ULP distance is the raw ULP distance of
+elements with need > F and 0 for the others (exactly what compare() judges), and we record its max, p99, p99.9.
+For the fp32 tier we also record `rtol_floor_needed`: the smallest floor with which every element passes
+|Δ| ≤ floor·ulp(row RMS) or |Δ| ≤ rtol·|ref| (the fp32 tier's per-element check at rtol = 1e-5).
+
+Proposal (`propose_rules`, documented in the TOML header):
+  bf16 grid, layer/forced : floor F = 1 ULP of the row RMS (the row's own resolution — a stated choice, not fitted);
+                            max_ulps = nice(S · worst p99.9 effective ULP), allowed_fraction = 0.001, hard_ulps =
+                            nice(S · worst max effective ULP); every corpus point then passes by construction (a point
+                            with p99.9 ≤ M has ≤ floor(0.001·n) elements above M).
+  bf16 grid, free         : same floor; statistical: max_ulps = nice(S · worst p99), allowed_fraction = 0.01,
+                            hard_ulps off (drift through layers is not bounded per element).
+  fp32 tier               : rtol 1e-5 elementwise (DESIGN §5), except elements within floor F fp32-ULPs of their row
+                            RMS, F = nice(S · worst rtol_floor_needed) — the floor absorbs cancellation near zero.
+S = `SAFETY` (2), nice() rounds up to 1, 1.5, 2, 3, 4, 6, 8, 12, ... ; minimums in `MINIMUMS`.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from parity.numerics.ulp import FINITE, ordered_int, to_dtype, ulp_of, value_class
+
+FLOORS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+KS = (1, 2, 4, 8, 16, 32, 64)
+RTOL_FP32 = 1e-5  # DESIGN §5: the fp32 tier is ~1e-5 relative
+SAFETY = 2.0
+BF16_FLOOR = 1
+MINIMUMS = {"max_ulps": 2, "hard_ulps": 4, "fp32_floor_ulps": 16}
+LAYER_FRACTION = 0.001
+FREE_FRACTION = 0.01
+
+# Site classes (site names of parity.points). A class groups sites with the same numerics: where a name is shared by
+# KDA and MLA layers (attention.core, attention.gate, attention.g_proj) the tensor dtype usually separates them.
+SITE_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("residual", ("input", "output")),
+    ("attention_out", ("attention",)),
+    ("layernorm", ("input_layernorm", "post_attention_layernorm", "attention.q_a_layernorm",
+                   "attention.kv_a_layernorm")),
+    ("projection", ("attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.f_proj",
+                    "attention.b_proj", "attention.g_proj", "attention.o_proj", "attention.q_a_proj",
+                    "attention.q_b_proj", "attention.kv_a_proj_with_mqa", "attention.kv_b_proj", "attention.dense",
+                    "mlp.gate_proj", "mlp.up_proj")),
+    ("conv", ("attention.q_conv1d", "attention.k_conv1d", "attention.v_conv1d", "attention.conv_state")),
+    ("gate_beta", ("attention.gate", "attention.beta")),
+    ("attn_core", ("attention.core", "attention.dense:in")),
+    ("kda_state", ("attention.state",)),
+    ("o_norm", ("attention.o_norm",)),
+    ("router_logits", ("mlp.gate.logits",)),
+    ("topk_weight", ("mlp.gate.topk_weight",)),
+    ("mlp_out", ("mlp.down_proj", "mlp.routed", "mlp.shared_experts", "mlp")),
+    ("embed", ("embed",)),
+    ("head", ("final_norm", "logits")),
+)
+_CLASS_OF = {s: c for c, sites in SITE_CLASSES for s in sites}
+
+
+def site_class(site: str) -> str:
+    """The class of a canonical site name ('other' for a name no class lists)."""
+    return _CLASS_OF.get(site, "other")
+
+
+def nice(x: float) -> float:
+    """Round up to the sequence 1, 1.5, 2, 3, 4, 6, 8, 12, 16, ... (≤ 1.5× above x); 0 stays 0."""
+    if x <= 0:
+        return 0
+    if x <= 1:
+        return 1
+    k = 2 ** math.floor(math.log2(x))
+    for m in (1, 1.5, 2):
+        if x <= m * k:
+            v = m * k
+            return int(v) if float(v).is_integer() else v
+    raise AssertionError("unreachable")
+
+
+def _rank(num: int, den: int, m: int) -> int:
+    """0-based rank of the num/den quantile of m sorted values, 'inverted_cdf' (as parity.numerics.compare)."""
+    return max(-(-num * m // den) - 1, 0)
+
+
+def _quantiles(e: np.ndarray) -> tuple[int, int, int]:
+    """(max, p99, p99.9) of a flat int array (attained values)."""
+    m = e.size
+    if m == 0:
+        return 0, 0, 0
+    r99, r999 = _rank(99, 100, m), _rank(999, 1000, m)
+    part = np.partition(e, (r99, r999, m - 1))
+    return int(part[m - 1]), int(part[r99]), int(part[r999])
+
+
+def _fquantiles(x: np.ndarray) -> tuple[float, float, float]:
+    """(max, p99, p99.9) of a flat float array (attained values)."""
+    m = x.size
+    if m == 0:
+        return 0.0, 0.0, 0.0
+    r99, r999 = _rank(99, 100, m), _rank(999, 1000, m)
+    part = np.partition(x, (r99, r999, m - 1))
+    return float(part[m - 1]), float(part[r99]), float(part[r999])
+
+
+# ------------------------------------------------------------------------------------------------ one point
+def point_noise(ref: Any, test: Any, grid: str) -> dict:
+    """Noise statistics of one point compared on `grid` ('bfloat16' or 'float32'); see the module docstring."""
+    r, t = to_dtype(np.asarray(ref), grid), to_dtype(np.asarray(test), grid)
+    if r.shape != t.shape:
+        t = t.reshape(r.shape)
+    last = r.shape[-1] if r.ndim else 1
+    r, t = r.reshape(-1, last), t.reshape(-1, last)
+    cr, ct = value_class(r), value_class(t)
+    fin = (cr == FINITE) & (ct == FINITE)
+    n_nonfinite_mismatch = int((cr != ct).sum())
+    rv, tv = np.where(fin, r.astype(np.float64), 0.0), np.where(fin, t.astype(np.float64), 0.0)
+    raw = np.where(fin, np.abs(ordered_int(r) - ordered_int(t)), 0)
+    diff = np.abs(rv - tv)
+    rms = np.sqrt((rv * rv).sum(-1, keepdims=True) / np.maximum(fin.sum(-1, keepdims=True), 1))
+    need = diff / ulp_of(rms, grid)  # floor (in ULPs of the row RMS) this element needs to pass by the floor
+    raw_f, need_f = raw.ravel(), need.ravel()
+    by_floor = {}
+    for F in FLOORS:
+        eff = np.where(need_f > F, raw_f, 0)
+        mx, p99, p999 = _quantiles(eff)
+        by_floor[str(F)] = {"max": mx, "p99": p99, "p999": p999,
+                            "frac_over": {str(k): float((eff > k).mean()) if eff.size else 0.0 for k in KS}}
+    outside = diff > RTOL_FP32 * np.abs(rv)
+    need_rtol = np.where(outside, need, 0.0).ravel()
+    need_q = _fquantiles(need_f)
+    need_rtol_q = _fquantiles(need_rtol)
+    mx, p99, p999 = _quantiles(raw_f)
+    nref = float(np.sqrt((rv * rv).sum()))
+    return {
+        "n": int(r.size), "grid": grid, "max_ulp_raw": mx, "p99_ulp_raw": p99, "p999_ulp_raw": p999,
+        "frac_exact": float((raw_f == 0).mean()) if raw_f.size else 1.0,
+        "floor_needed": need_q[0], "floor_needed_p99": need_q[1], "floor_needed_p999": need_q[2],
+        "rtol_floor_needed": need_rtol_q[0], "rtol_floor_needed_p999": need_rtol_q[2],
+        "rel_l2": float(np.sqrt((diff * diff).sum()) / nref) if nref > 0 else (0.0 if not diff.any() else math.inf),
+        "max_abs_diff": float(diff.max()) if diff.size else 0.0,
+        "nonfinite_mismatches": n_nonfinite_mismatch,
+        "by_floor": by_floor,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ recording target
+class RecordingTarget:
+    """Wraps a target and keeps every array it produces, keyed so the replayed points can be found again:
+    layer calls by (layer, phase, step, forced), embed/head calls by call order (the replay walks steps in order)."""
+
+    def __init__(self, inner: Any, prompt_len: int) -> None:
+        self.inner, self.prompt_len = inner, prompt_len
+        self.name, self.capabilities = inner.name, inner.capabilities
+        self.layers: dict[tuple, dict[str, np.ndarray]] = {}
+        self.embeds: list[np.ndarray] = []
+        self.heads: list[dict[str, np.ndarray]] = []
+
+    def __getattr__(self, k):  # build, load_layer, unload_layer, load_globals, ...
+        return getattr(self.inner, k)
+
+    def embed(self, ids):
+        out = self.inner.embed(ids)
+        self.embeds.append(np.asarray(out))
+        return out
+
+    def head(self, hidden):
+        out = self.inner.head(hidden)
+        self.heads.append({k: np.asarray(v) for k, v in out.items()})
+        return out
+
+    def layer_forward(self, i, hidden, positions, state=None, forced_topk=None):
+        res = self.inner.layer_forward(i, hidden, positions, state, forced_topk=forced_topk)
+        pos = np.asarray(positions).ravel()
+        if pos[0] == 0 and pos.size == self.prompt_len:
+            phase, step = "prefill", 0
+        else:
+            phase, step = "decode", int(pos[0]) - self.prompt_len + 1
+        pts = {k: np.asarray(v) for k, v in res.points.items()}
+        pts.setdefault("output", np.asarray(res.output))
+        pts.setdefault("input", np.asarray(hidden))
+        self.layers[(i, phase, step, forced_topk is not None)] = pts
+        return res
+
+    def produced(self, rec: dict, steps: list[tuple[str, int]]) -> np.ndarray | None:
+        """The array the replay compared for report record `rec`."""
+        site, layer = rec["site"], rec.get("layer")
+        k = steps.index((rec["phase"], rec.get("step", 0)))
+        if layer is None:
+            if site == "embed":
+                return self.embeds[k] if k < len(self.embeds) else None
+            return self.heads[k].get(site) if k < len(self.heads) else None
+        forced = bool(rec.get("forced_routing"))
+        key = (layer, rec["phase"], rec.get("step", 0), forced)
+        if key not in self.layers and not forced:  # `forced` mode: the only run was the forced one
+            key = (layer, rec["phase"], rec.get("step", 0), True)
+        return self.layers.get(key, {}).get(site)
+
+
+# ------------------------------------------------------------------------------------------------ corpus
+@dataclass(frozen=True)
+class CorpusSpec:
+    presets: tuple[str, ...] = ("tiny", "tiny-flash")
+    seeds: tuple[int, ...] = (1, 2)
+    prompt_lens: tuple[int, ...] = (40, 160)  # ≤ 64: recurrent KDA path of the official kernel; > 64: chunked
+    dtypes: tuple[str, ...] = ("bfloat16", "float32")
+    decode_steps: int = 2
+    modes: tuple[str, ...] = ("layer", "free")
+    native_seeds: tuple[int, ...] = (1,)  # twin vs built-in on an unclamped copy of tiny-flash
+
+
+@dataclass
+class Measurement:
+    """Flat per-point measurements plus routing counts; JSON-able via `to_dict`."""
+
+    points: list[dict] = field(default_factory=list)
+    routing: list[dict] = field(default_factory=list)
+    runs: list[dict] = field(default_factory=list)
+
+
+def _steps(dump) -> list[tuple[str, int]]:
+    from parity.replay import _steps as steps
+
+    return steps(dump)
+
+
+def measure_replay(dump_path: Path, ckpt_dir: Path, mode: str, corpus_id: str, out: Measurement,
+                   target: Any = None) -> dict:
+    """Replay one dump with the reference target, record per-point noise and routing outcomes into `out`."""
+    from parity.dumpfile import DumpReader
+    from parity.numerics.tolerances import default_rules
+    from parity.replay import run_replay
+    from parity.targets.reference import ReferenceTarget
+
+    with_dump = DumpReader(dump_path)
+    try:
+        P, steps, compute = int(with_dump.prompt_len), _steps(with_dump), with_dump.meta.get("compute_dtype", "bfloat16")
+    finally:
+        with_dump.close()
+    rec_target = RecordingTarget(target or ReferenceTarget(), P)
+    report = run_replay(dump_path, ckpt_dir, target=rec_target, mode=mode, rules=default_rules())
+    grid = "float32" if compute == "float32" else "bfloat16"
+    dump = DumpReader(dump_path)
+    try:
+        from parity.points import Point
+
+        for rec in report["points"]:
+            base = {"corpus": corpus_id, "mode": mode, "phase": rec["phase"], "step": rec.get("step", 0),
+                    "layer": rec.get("layer"), "site": rec["site"], "compute": compute}
+            if rec["site"] == "mlp.gate.topk_idx":
+                out.routing.append({**base, "status": rec.get("status"), "tokens": rec.get("tokens"),
+                                    "flipped": rec.get("flipped", 0), "benign_flips": rec.get("benign_flips", 0)})
+                continue
+            pt = Point(rec["phase"], rec.get("step", 0), rec.get("layer"), rec["site"])
+            if rec.get("status") not in ("pass", "fail") or not dump.has(pt):
+                continue
+            test = rec_target.produced(rec, steps)
+            if test is None:
+                continue
+            ref = dump.read(pt)
+            tdtype = dump.attrs(pt).get("dtype", str(ref.dtype))
+            if tdtype not in ("bfloat16", "float32", "float16"):
+                continue
+            stats = point_noise(ref, np.asarray(test).reshape(ref.shape), grid)
+            out.points.append({**base, "class": site_class(rec["site"]), "dtype": tdtype,
+                               "forced_routing": bool(rec.get("forced_routing")),
+                               "status_old_rules": rec.get("status"), "replay_max_ulp_raw": rec.get("max_ulp_raw"),
+                               **stats})
+    finally:
+        dump.close()
+    return report
+
+
+def measure_dump_pair(ref_path: Path, test_path: Path, kind: str, corpus_id: str, out: Measurement,
+                      grid: str | None = None) -> None:
+    """Compare two dumps of the same checkpoint and ids directly, point by point (both are free runs)."""
+    from parity.dumpfile import DumpReader
+
+    a, b = DumpReader(ref_path), DumpReader(test_path)
+    try:
+        g = grid or ("float32" if a.meta.get("compute_dtype") == "float32" else "bfloat16")
+        compute = a.meta.get("compute_dtype", "bfloat16")
+        for pt in a.points():
+            if not b.has(pt):
+                continue
+            base = {"corpus": corpus_id, "mode": kind, "phase": pt.phase, "step": pt.step, "layer": pt.layer,
+                    "site": pt.site, "compute": compute}
+            ra, rb = a.read(pt), b.read(pt)
+            if pt.site == "mlp.gate.topk_idx":
+                same = (np.sort(ra, -1) == np.sort(rb.reshape(ra.shape), -1)).all(-1)
+                out.routing.append({**base, "status": "pass" if same.all() else "flipped", "tokens": int(same.size),
+                                    "flipped": int((~same).sum()), "benign_flips": None})
+                continue
+            tdtype = a.attrs(pt).get("dtype", str(ra.dtype))
+            if tdtype not in ("bfloat16", "float32", "float16") or ra.size != rb.size or "cache" in pt.site:
+                continue
+            out.points.append({**base, "class": site_class(pt.site), "dtype": tdtype,
+                               **point_noise(ra, rb.reshape(ra.shape), g)})
+    finally:
+        a.close()
+        b.close()
+
+
+# ------------------------------------------------------------------------------------------------ aggregation
+def _mode_group(mode: str) -> str:
+    return {"layer": "layer", "forced": "layer"}.get(mode, mode)
+
+
+def group_key(p: dict) -> tuple[str, str, str, str]:
+    """(class, mode group, tensor dtype, compute dtype)."""
+    return p["class"], _mode_group(p["mode"]), p["dtype"], p["compute"]
+
+
+def _pid(p: dict) -> str:
+    lay = "model" if p.get("layer") is None else f"L{p['layer']:02d}"
+    step = "" if p["phase"] == "prefill" else f"/S{p['step']:03d}"
+    return f"{p['corpus']}:{p['phase']}{step}/{lay}/{p['site']}"
+
+
+def _worst(points: list[dict], value) -> tuple[float, str]:
+    best = max(points, key=value)
+    return value(best), _pid(best)
+
+
+def _p99_over(vals: list[float]) -> float:
+    v = sorted(vals)
+    return v[_rank(99, 100, len(v))] if v else 0.0
+
+
+def floor_for(need: float) -> int:
+    """Smallest candidate floor in FLOORS that is ≥ need (the largest one if none is)."""
+    return next((F for F in FLOORS if F >= need), FLOORS[-1])
+
+
+def aggregate(points: Iterable[dict], floors: dict[tuple, int] | None = None) -> dict[tuple, dict]:
+    """Per group (`group_key`): n points, and for each statistic the worst value, which point it was, and its p99
+    over points. Effective-ULP statistics are taken at the group's floor (`floors`, default BF16_FLOOR)."""
+    groups: dict[tuple, list[dict]] = {}
+    for p in points:
+        groups.setdefault(group_key(p), []).append(p)
+    out = {}
+    for key, ps in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+        F = str((floors or {}).get(key, BF16_FLOOR))
+        s: dict[str, Any] = {"n_points": len(ps), "n_elements": int(sum(p["n"] for p in ps)),
+                             "sites": sorted({p["site"] for p in ps}), "floor": float(F)}
+        stats = {
+            "eff_max": lambda p: p["by_floor"][F]["max"],
+            "eff_p999": lambda p: p["by_floor"][F]["p999"],
+            "eff_p99": lambda p: p["by_floor"][F]["p99"],
+            "eff_frac_over_2": lambda p: p["by_floor"][F]["frac_over"]["2"],
+            "raw_max": lambda p: p["max_ulp_raw"],
+            "floor_needed": lambda p: p["floor_needed"],
+            "floor_needed_p999": lambda p: p["floor_needed_p999"],
+            "floor_needed_p99": lambda p: p["floor_needed_p99"],
+            "rtol_floor_needed": lambda p: p["rtol_floor_needed"],
+            "rel_l2": lambda p: p["rel_l2"] if math.isfinite(p["rel_l2"]) else 1e300,
+            "nonfinite_mismatches": lambda p: p["nonfinite_mismatches"],
+        }
+        for name, fn in stats.items():
+            w, where = _worst(ps, fn)
+            s[name] = {"worst": w, "worst_at": where, "p99_over_points": _p99_over([fn(p) for p in ps])}
+        out[key] = s
+    return out
+
+
+@dataclass(frozen=True)
+class ProposedRule:
+    sites: tuple[str, ...]
+    cls: str
+    mode: str  # "layer" (also used for forced and any non-free mode) or "free"
+    dtype: str
+    compute: str
+    fields: dict
+    basis: str  # the measured numbers the fields came from
+
+
+HARD_OFF_ABOVE = 16384  # a hard limit this high only flags sign flips of near-zero elements: leave it off
+
+
+def propose_rule(points: Sequence[dict], safety: float = SAFETY) -> tuple[ProposedRule, int]:
+    """Rule for one group of point measurements (same `group_key`) — see the module docstring. Returns the rule and
+    the floor its effective-ULP statistics were taken at."""
+    cls, mode, dtype, compute = group_key(points[0])
+    sites = tuple(sorted({p["site"] for p in points}))
+
+    def worst(k, F=None):
+        val = (lambda p: p["by_floor"][str(F)][k]) if F is not None else (lambda p: p[k])
+        return _worst(list(points), val)
+
+    if compute == "float32":
+        # fp32 tier: rtol 1e-5 elementwise + floor; every element must pass (compare has no allowed fraction for
+        # rtol), so the floor covers the worst element needing it.
+        need, at = worst("rtol_floor_needed")
+        F = max(MINIMUMS["fp32_floor_ulps"], nice(safety * need))
+        fields = {"floor_ulps": F, "max_ulps": "off", "allowed_fraction": 0.0, "hard_ulps": "off",
+                  "rtol": RTOL_FP32, "atol": "off", "compare_dtype": "off"}
+        rl, rl_at = worst("rel_l2")
+        basis = f"floor needed with rtol {RTOL_FP32:g}: worst {need:.4g} fp32-ULP of row RMS at {at}; worst rel-L2 {rl:.3g}"
+        return ProposedRule(sites, cls, mode, dtype, compute, fields, basis), floor_for(F)
+    cmp_dtype = "bfloat16" if dtype == "float32" else "off"
+    q, frac_default = ("floor_needed_p99", FREE_FRACTION) if mode == "free" else ("floor_needed_p999", LAYER_FRACTION)
+    need, need_at = worst(q)
+    F = max(BF16_FLOOR, floor_for(safety * need))
+    M = MINIMUMS["max_ulps"]
+    over, over_at = _worst(list(points), lambda p: p["by_floor"][str(F)]["frac_over"][str(M)])
+    allowed = max(frac_default, float(nice(1000 * safety * over)) / 1000)
+    mx, mx_at = worst("max", F)
+    H = int(max(MINIMUMS["hard_ulps"], nice(safety * mx)))
+    hard = "off" if mode == "free" or H > HARD_OFF_ABOVE else H
+    fields = {"floor_ulps": F, "max_ulps": M, "allowed_fraction": min(allowed, 1.0), "hard_ulps": hard,
+              "rtol": "off", "atol": "off", "compare_dtype": cmp_dtype}
+    basis = (f"worst {q.replace('floor_needed_', '')} of |Δ|/ulp(row RMS): {need:.4g} at {need_at}; at floor {F}: "
+             f"worst fraction above {M} ULP {over:.3g} at {over_at}, worst max {mx} ULP at {mx_at}")
+    return ProposedRule(sites, cls, mode, dtype, compute, fields, basis), F
+
+
+def propose_rules(points: Iterable[dict], safety: float = SAFETY) -> tuple[list[ProposedRule], dict[tuple, int]]:
+    """One rule per measured (class, mode ∈ {layer, free}, dtype, compute) group, plus per-tier catch-alls = the
+    loosest value of any class of that tier (for sites the corpus does not cover). Also returns each group's floor."""
+    groups: dict[tuple, list[dict]] = {}
+    for p in points:
+        groups.setdefault(group_key(p), []).append(p)
+    rules, floors = [], {}
+    for key, ps in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+        if key[1] not in ("layer", "free"):
+            continue  # cross-checks (twin vs native, fp32 vs bf16) inform, they do not define rules
+        r, floors[key] = propose_rule(ps, safety)
+        rules.append(r)
+    tiers: dict[tuple, list[ProposedRule]] = {}
+    for r in rules:
+        tiers.setdefault((r.mode, r.dtype, r.compute), []).append(r)
+    for (mode, dtype, compute), rs in sorted(tiers.items()):
+        loose = {}
+        for f in rs[0].fields:
+            vals = [r.fields[f] for r in rs]
+            if "off" in vals and f in ("max_ulps", "hard_ulps"):
+                loose[f] = "off"
+            elif all(isinstance(v, (int, float)) for v in vals):
+                loose[f] = max(vals)
+            else:
+                loose[f] = vals[0]
+        rules.append(ProposedRule(("*",), "catch-all", mode, dtype, compute, loose,
+                                  "loosest measured class of this tier"))
+    return rules, floors
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, float) and v.is_integer() and abs(v) < 1e6 and v != 0:
+        return str(int(v))
+    return repr(v) if not isinstance(v, bool) else str(v).lower()
+
+
+def rules_toml(rules: Sequence[ProposedRule], header: str) -> str:
+    """The table as TOML in the format of parity.numerics.tolerances: free entries first (specific mode), then the
+    layer-mode entries with mode "*" (layer, forced and any other mode), per-site before catch-alls."""
+    lines = [header.rstrip(), "", 'schema = "ling3-parity-tolerances"', "version = 1", ""]
+    order = sorted(rules, key=lambda r: (r.cls == "catch-all", r.mode != "free", r.compute, r.dtype, r.cls))
+    for r in order:
+        lines.append(f"# {r.cls} · {r.mode} · {r.dtype} tensors · compute {r.compute}: {r.basis}")
+        for site in r.sites:
+            lines.append("[[rule]]")
+            lines.append(f'site = "{site}"')
+            lines.append(f'mode = "{"free" if r.mode == "free" else "*"}"')
+            lines.append(f'dtype = "{r.dtype}"')
+            lines.append(f'compute = "{r.compute}"')
+            for k, v in r.fields.items():
+                lines.append(f"{k} = {_toml_value(v)}")
+            lines.append(f'note = "calibrated: {r.cls}, {r.mode}"')
+        lines.append("")
+    # Last resort for dtypes / compute dtypes the corpus never produced (fp16, integer tensors — these compare
+    # exactly and ignore the numbers; runs that pass no compute dtype).
+    lines += ["# Not measured (no fp16 runs; integer tensors compare exactly; callers without a compute dtype):",
+              "# the provisional bf16 default, kept as the last resort.",
+              "[[rule]]", 'site = "*"', 'mode = "*"', 'dtype = "*"', "floor_ulps = 1", "max_ulps = 2",
+              "allowed_fraction = 0.001", "hard_ulps = 64", 'note = "uncalibrated catch-all"', ""]
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    import os
+
+    return f"{platform.node() or 'host'}: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, " \
+           f"{platform.system()} {platform.release()}, Python {platform.python_version()}"
+
+
+# ------------------------------------------------------------------------------------------------ the whole run
+def _unclamped_flash() -> dict:
+    """tiny-flash with both SwiGLU limit lists null: the built-in bailing_hybrid has no clamp (task brief, ORC §5)."""
+    from parity.torch_ref.ckpt import resolve_config
+
+    d = dict(resolve_config("tiny-flash"))
+    d["expert_swiglu_limit_list"] = None
+    d["share_expert_swiglu_limit_list"] = None
+    return d
+
+
+def run_calibration(spec: CorpusSpec, workdir: Path, log=print) -> Measurement:
+    """Build the corpus in `workdir` and measure everything (steps 1-2 and 5 of the calibration brief)."""
+    import time
+
+    from parity.torch_ref.ckpt import make_checkpoint
+    from parity.torch_ref.dump import DumpOptions, dump_checkpoint
+    from parity.torch_ref.prompts import builtin_ids
+
+    out = Measurement()
+    workdir = Path(workdir)
+
+    def dump(ckpt, path, T, dtype, seed, runtime="remote"):
+        t0 = time.perf_counter()
+        ids = builtin_ids(512, T, seed=seed)
+        dump_checkpoint(ckpt, path, ids, DumpOptions(runtime=runtime, dtype=dtype, decode_steps=spec.decode_steps,
+                                                     progress=False, force=True, causality_check=False))
+        out.runs.append({"what": f"dump {runtime} {path.name}", "seconds": round(time.perf_counter() - t0, 1)})
+        log(f"dumped {path.name} ({runtime}) in {time.perf_counter() - t0:.1f}s")
+
+    def replay(path, ckpt, cid):
+        for mode in spec.modes:
+            t0 = time.perf_counter()
+            rep = measure_replay(path, ckpt, mode, cid, out)
+            out.runs.append({"what": f"replay {mode} {cid}", "seconds": round(time.perf_counter() - t0, 1),
+                             "counts_old_rules": rep["counts"]})
+            log(f"replayed {cid} {mode} in {time.perf_counter() - t0:.1f}s: {rep['counts']} (old rules)")
+
+    jobs = [(p, s, p) for p in spec.presets for s in spec.seeds]
+    jobs += [("tiny-flash-noclamp", s, _unclamped_flash()) for s in spec.native_seeds]
+    for name, seed, preset in jobs:
+        ckpt = make_checkpoint(workdir / f"{name}-s{seed}", preset, seed=seed, force=True)
+        for T in spec.prompt_lens:
+            paths = {}
+            for dtype in spec.dtypes:
+                tag = "fp32" if dtype == "float32" else "bf16"
+                cid = f"{name}/s{seed}/T{T}/{tag}"
+                paths[dtype] = workdir / f"{name}-s{seed}-T{T}-{tag}.h5"
+                dump(ckpt, paths[dtype], T, dtype, seed)
+                replay(paths[dtype], ckpt, cid)
+                if name == "tiny-flash-noclamp":
+                    npath = workdir / f"{name}-s{seed}-T{T}-{tag}-native.h5"
+                    dump(ckpt, npath, T, dtype, seed, runtime="native")
+                    measure_dump_pair(paths[dtype], npath, "twin_vs_native", cid, out)
+            if "float32" in paths and "bfloat16" in paths:
+                measure_dump_pair(paths["float32"], paths["bfloat16"], "twin_fp32_vs_bf16",
+                                  f"{name}/s{seed}/T{T}", out, grid="bfloat16")
+    return out
+
+
+def routing_summary(routing: list[dict]) -> dict:
+    """Top-k flips per (mode, compute dtype): tokens compared, flipped, benign (replay's classification)."""
+    s: dict[str, dict] = {}
+    for r in routing:
+        k = f"{r['mode']}/{r['compute']}"
+        d = s.setdefault(k, {"router_points": 0, "tokens": 0, "flipped": 0, "benign": 0, "failing_points": 0,
+                             "failing_at": []})
+        d["router_points"] += 1
+        d["tokens"] += r.get("tokens") or 0
+        d["flipped"] += r.get("flipped") or 0
+        d["benign"] += r.get("benign_flips") or 0
+        if r.get("status") in ("fail", "flipped"):
+            d["failing_points"] += 1
+            d["failing_at"].append(_pid(r))
+    return s
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+def toml_header(command: str, date: str, mach: str, spec: CorpusSpec, safety: float) -> str:
+    return "\n".join("# " + s if s else "#" for s in [
+        "Default tolerance rules of ling3-parity (DESIGN §5). Format and lookup: parity/numerics/tolerances.py.",
+        "",
+        f"Calibrated by `{command}` on {date}, {mach}.",
+        "Generated by parity/calibrate.py; measurements in parity/numerics/calibration/ (measurements.json,",
+        "calibration.md). Do not edit numbers by hand; never raise one to make a failing test pass — re-run the tool.",
+        "",
+        f"Corpus: presets {', '.join(spec.presets)} (+ tiny-flash without SwiGLU clamp) × seeds "
+        f"{', '.join(map(str, spec.seeds))} × prompts {', '.join(map(str, spec.prompt_lens))} tokens",
+        f"(≤ 64: recurrent KDA path, > 64: chunked) × {', '.join(spec.dtypes)} × prefill + {spec.decode_steps} decode "
+        "steps. Noise measured: the",
+        "pure-JAX reference against the PyTorch twin's dumps, replayed in `layer` (teacher-forced) and `free` mode;",
+        "both agree with transformers' built-in bailing_hybrid to ≤ 1e-5 in fp32 (tests/test_jax_model.py,",
+        "tests/test_twin_vs_builtin.py).",
+        "",
+        f"Rule = observed worst case over the corpus × safety factor {safety:g}, rounded up to 1, 1.5, 2, 3, 4, 6, 8, ...:",
+        f"- bf16 grid (bf16 runs; their fp32 tensors compared after rounding to bf16): floor_ulps = {BF16_FLOOR} ULP of",
+        "  the row RMS (the row's own resolution; a stated choice, not fitted). layer/forced/other modes:",
+        f"  max_ulps = S·worst p99.9, allowed_fraction = {LAYER_FRACTION}, hard_ulps = S·worst max (effective ULP after",
+        f"  the floor). free: max_ulps = S·worst p99, allowed_fraction = {FREE_FRACTION}, hard_ulps off (drift).",
+        f"  Minimums: max_ulps ≥ {MINIMUMS['max_ulps']}, hard_ulps ≥ {MINIMUMS['hard_ulps']}.",
+        f"- fp32 tier (fp32 runs): per element |Δ| ≤ rtol·|ref| with rtol = {RTOL_FP32:g} (DESIGN §5), except",
+        "  elements within floor_ulps fp32-ULPs of their row RMS: after cancellation a near-zero element carries the",
+        "  absolute error of its row's scale, not of its own magnitude. floor_ulps = S·(worst floor needed),",
+        f"  minimum {MINIMUMS['fp32_floor_ulps']}.",
+        "Entries are per site, most specific first (free entries, then all other modes, then per-tier catch-alls =",
+        "the loosest measured class of the tier). Lookup is FIRST MATCH WINS, PER FIELD.",
+    ])
+
+
+def markdown(aggs: dict, routing: dict, runs: list[dict], command: str, date: str, mach: str,
+             rules: list[ProposedRule]) -> str:
+    L = [f"# Tolerance calibration", "", f"Command: `{command}`", f"Date: {date}", f"Machine: {mach}", "",
+         "Method: parity/calibrate.py module docstring and the header of default_tolerances.toml.",
+         "Effective ULP = ULP distance of elements outside the group floor (column `floor`, bf16 ULPs of row RMS); fp32 groups: `floor need` =",
+         "smallest floor (fp32 ULPs of row RMS) with which every element passes rtol 1e-5.", "",
+         "## Noise per class (worst over the corpus; p99 over points in brackets)", "",
+         "| class | mode | dtype | compute | points | floor | max eff ULP | p99.9 eff | p99 eff | raw max | floor need (rtol) | rel-L2 | worst at |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (cls, mode, dtype, compute), a in aggs.items():
+        def w(k, fmt="{:g}"):
+            return fmt.format(a[k]["worst"]) + " (" + fmt.format(a[k]["p99_over_points"]) + ")"
+        at = a["eff_max"]["worst_at"] if compute != "float32" else a["rtol_floor_needed"]["worst_at"]
+        L.append(f"| {cls} | {mode} | {dtype} | {compute} | {a['n_points']} | {a['floor']:g} | {w('eff_max')} | {w('eff_p999')} | "
+                 f"{w('eff_p99')} | {w('raw_max')} | {w('rtol_floor_needed', '{:.4g}')} | "
+                 f"{w('rel_l2', '{:.2e}')} | `{at}` |")
+    L += ["", "## Routing (top-k expert sets)", "", "| mode / compute | router points | tokens | flipped | benign | points with non-benign flips |",
+          "|---|---|---|---|---|---|"]
+    for k, d in routing.items():
+        L.append(f"| {k} | {d['router_points']} | {d['tokens']} | {d['flipped']} | {d['benign']} | "
+                 f"{d['failing_points']} |")
+    L += ["", "(twin_vs_native / twin_fp32_vs_bf16 are free runs compared dump to dump; the replay's benign",
+          "classification does not apply there, every flip is counted as flipped.)", "",
+          "## Proposed rules", "", "| class | mode | dtype | compute | rule | basis |", "|---|---|---|---|---|---|"]
+    for r in rules:
+        f = r.fields
+        txt = ", ".join(f"{k}={v}" for k, v in f.items() if v not in ("off",))
+        L.append(f"| {r.cls} | {r.mode} | {r.dtype} | {r.compute} | {txt} | {r.basis} |")
+    total = sum(x["seconds"] for x in runs)
+    L += ["", f"Run time of dumps + replays: {total:.0f} s over {len(runs)} steps.", ""]
+    return "\n".join(L)
