@@ -1,0 +1,527 @@
+"""Mutation self-test of the replay: a catalogue of realistic porting bugs injected into the reference target.
+
+Each `Mutation` models one mistake a JAX port of Ling3 really makes (the doc says which), and states — from the bug's
+semantics and the checkpoint config alone, never from the tool's output — the point where the error must *start*:
+`expected(cfg) -> Expected(phase, step, layer, sites)`. `tests/test_mutations.py` replays every mutant against a dump
+and asserts the report fails with `first_divergence.source` at exactly that (phase, step, layer, site).
+
+How bugs are injected (the reference code in `parity/jax_ling3/` is never edited):
+- numerics bugs replace a module attribute that the reference looks up at trace time (e.g. `kda.kda_gate`,
+  `moe.routing_weights`, `layer.kda_attention`). Where the bug sits inline in a function body (β's sigmoid, the KDA
+  kernel call), that function is *cloned with some globals rebound* (`_rebind`): the same code object, run against
+  a namespace where e.g. `jax.nn.sigmoid` is the identity — only that function's body sees the change.
+- patches are active only while `MutantTarget`'s own jitted layer function is being **traced**. Why this is robust
+  against jit caching: the reference's module-level `decoder_layer_jit` is never called here (its traces stay clean,
+  and nothing patched leaks into them); every `MutantTarget` instance jits a *fresh closure* (a new function object,
+  so no trace cache entry of another instance or of the reference can be reused), and that closure installs the
+  patches around the call to `layer.decoder_layer`, which is exactly when the jaxpr is built. Compiled executables are
+  then cached per instance and per shape as usual; the persistent compile cache is keyed on the HLO, so it can only
+  return an executable of the same (mutated) computation. Patching module globals is not thread-safe: do not run a
+  mutant and the reference concurrently in one process (pytest-xdist uses processes, which is fine).
+- weight-layout bugs (a square weight not transposed, the MTP layer loaded as the last layer) mutate `load_layer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from parity.targets.base import LayerResult
+from parity.targets.reference import ReferenceTarget
+
+
+@dataclass(frozen=True)
+class Expected:
+    """Where the bug's error starts: phase/step/layer and the site(s) allowed as `first_divergence.source`."""
+
+    phase: str
+    step: int
+    layer: int
+    sites: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    doc: str  # the real porting mistake this models
+    preset: str  # which bundled checkpoint shows it ("tiny" | "tiny-flash")
+    expected: Callable[[Any], Expected]  # Ling3Config -> Expected, from the bug's semantics
+    patches: Callable[[], dict] = field(default=lambda: {})  # {(module, attr): replacement} for the trace
+    load: Callable[["MutantTarget", int, dict], None] | None = None  # weight-layout bugs: mutate params after load
+    needs_decode: bool = False
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _mods():
+    from parity.jax_ling3 import kda, layer, mla, moe
+
+    return kda, layer, mla, moe
+
+
+def _rebind(fn, **overrides):
+    """A copy of `fn` whose *own* body sees `overrides` instead of its module globals (callees keep theirs)."""
+    g = dict(fn.__globals__)
+    g.update(overrides)
+    new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    return new
+
+
+class _JaxProxy:
+    """Stands in for the `jax` module inside one rebound function: everything is jax's, except `jax.nn.<name>`
+    overrides."""
+
+    def __init__(self, **nn_overrides):
+        import jax
+
+        self._jax = jax
+        self.nn = types.SimpleNamespace(**{k: getattr(jax.nn, k) for k in dir(jax.nn) if not k.startswith("_")})
+        for k, v in nn_overrides.items():
+            setattr(self.nn, k, v)
+
+    def __getattr__(self, name):
+        return getattr(self._jax, name)
+
+
+@contextlib.contextmanager
+def patched(patches: dict):
+    """Install {(module, attr): value} and restore the originals on exit (also on error)."""
+    saved = [(mod, attr, getattr(mod, attr)) for (mod, attr) in patches]
+    try:
+        for (mod, attr), value in patches.items():
+            setattr(mod, attr, value)
+        yield
+    finally:
+        for mod, attr, value in reversed(saved):
+            setattr(mod, attr, value)
+
+
+def _first(cfg, pred) -> int:
+    for i in range(cfg.num_hidden_layers):
+        if pred(i):
+            return i
+    raise ValueError("no layer of the required kind in this config")
+
+
+def first_kda(cfg) -> int:
+    return _first(cfg, lambda i: cfg.layer_kind(i) == "kda")
+
+
+def first_mla(cfg) -> int:
+    return _first(cfg, lambda i: cfg.layer_kind(i) == "mla")
+
+
+def first_moe(cfg) -> int:
+    return _first(cfg, cfg.is_moe)
+
+
+# ------------------------------------------------------------------------------------------------ the bugs
+def _p_rope_not_interleaved():
+    import jax.numpy as jnp
+
+    _, _, mla, _ = _mods()
+
+    def rope_halves(x, cos, sin):  # plain NeoX rotate-half on the raw layout: skips the de-interleave of facts §4.3
+        c, s = cos[..., None, :], sin[..., None, :]
+        h = x.shape[-1] // 2
+        a, b = x[..., :h], x[..., h:]
+        return jnp.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+
+    return {(mla, "apply_rope_interleaved"): rope_halves}
+
+
+def _p_gate_softplus_in_decode():
+    kda, *_ = _mods()
+    orig = kda.kda_gate
+
+    def gate(a, A_log, dt_bias, lower_bound):  # decode kernel (T == 1) uses fla's default softplus gate
+        return orig(a, A_log, dt_bias, None if a.shape[1] == 1 else lower_bound)
+
+    return {(kda, "kda_gate"): gate}
+
+
+def _p_a_log_not_exp():
+    import jax
+    import jax.numpy as jnp
+
+    kda, *_ = _mods()
+
+    def gate(a, A_log, dt_bias, lower_bound):  # rate = A_log instead of exp(A_log) (facts §3.5)
+        H, d = a.shape[-2], a.shape[-1]
+        x = a.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(H, d)
+        rate = A_log.astype(jnp.float32).reshape(H, 1)
+        if lower_bound is None:
+            return -rate * jax.nn.softplus(x)
+        return lower_bound * jax.nn.sigmoid(rate * x)
+
+    return {(kda, "kda_gate"): gate}
+
+
+def _p_beta_not_sigmoided():
+    kda, layer, _, _ = _mods()
+    return {(layer, "kda_attention"): _rebind(kda.kda_attention, jax=_JaxProxy(sigmoid=lambda x: x))}
+
+
+def _p_conv_without_silu():
+    import jax.numpy as jnp
+
+    kda, *_ = _mods()
+    orig = kda.short_conv
+
+    def conv(x, w, cache=None):  # depthwise conv only; the fused kernel's SiLU forgotten (facts §3.2)
+        silu_y, new_cache = orig(x, w, cache)
+        B, T, P = x.shape
+        W = w.shape[-1]
+        hist = jnp.zeros((B, P, W), x.dtype) if cache is None else cache.astype(x.dtype)
+        full = jnp.concatenate([hist, jnp.swapaxes(x, 1, 2)], axis=-1).astype(jnp.float32)
+        y = sum(w.astype(jnp.float32)[None, :, j, None] * full[:, :, 1 + j: 1 + j + T] for j in range(W))
+        return jnp.swapaxes(y.astype(x.dtype), 1, 2), new_cache
+
+    return {(kda, "short_conv"): conv}
+
+
+def _p_conv_cache_dropped():
+    kda, *_ = _mods()
+    orig = kda.short_conv
+
+    def conv(x, w, cache=None):  # decode step run with zero conv history (cache not threaded through)
+        return orig(x, w, None)
+
+    return {(kda, "short_conv"): conv}
+
+
+def _p_l2norm_missing():
+    import jax.numpy as jnp
+
+    kda, *_ = _mods()
+    # use_qk_l2norm_in_kernel=True dropped: q, k go to the recurrence un-normalised (facts §3.3)
+    return {(kda, "l2_normalize"): lambda x, eps=1e-6: x.astype(jnp.float32)}
+
+
+def _p_kda_scale_missing():
+    kda, layer, _, _ = _mods()
+    kernels = {k: (lambda f: lambda q, k, v, g, beta, scale, s0=None: f(q, k, v, g, beta, 1.0, s0))(f)
+               for k, f in kda.KERNELS.items()}  # q not scaled by d^-1/2 (facts §3.6)
+    return {(layer, "kda_attention"): _rebind(kda.kda_attention, KERNELS=kernels)}
+
+
+def _p_o_norm_eps():
+    kda, *_ = _mods()
+    orig = kda.gated_rms_norm
+
+    def gnorm(o, gate, w, eps):  # FusedRMSNormGated's own default eps 1e-5 instead of config rms_norm_eps 1e-6
+        return orig(o, gate, w, 1e-5)
+
+    return {(kda, "gated_rms_norm"): gnorm}
+
+
+def _mla_wrapper(post):
+    _, layer, mla, _ = _mods()
+    orig = mla.mla_attention
+
+    def wrapped(p, x, positions, spec, cache=None):
+        out, pts, new_cache = orig(p, x, positions, spec, cache)
+        out, pts = post(p, pts, x)
+        return out, pts, new_cache
+
+    return {(layer, "mla_attention"): wrapped}
+
+
+def _p_mla_gate_missing():
+    from parity.jax_ling3.ops import linear
+
+    def post(p, pts, x):  # head gate dropped: dense(core)
+        core = pts["attention.core"]
+        pts = {k: v for k, v in pts.items() if k not in ("attention.gate", "attention.g_proj")}
+        pts["attention.dense:in"] = core
+        pts["attention.dense"] = out = linear(core, p["dense"])
+        return out, pts
+
+    return _mla_wrapper(post)
+
+
+def _p_mla_gate_after_dense():
+    from parity.jax_ling3.ops import linear
+
+    def post(p, pts, x):  # gate applied to dense(core), per head-sized slice of the hidden state
+        core, gate = pts["attention.core"], pts["attention.gate"]
+        y = linear(core, p["dense"])
+        B, T, D = y.shape
+        H = gate.shape[-1]
+        out = (y.reshape(B, T, H, D // H) * gate[..., None]).reshape(B, T, D)
+        pts = dict(pts)
+        pts["attention.dense:in"] = core
+        pts["attention.dense"] = out
+        return out, pts
+
+    return _mla_wrapper(post)
+
+
+def _p_mla_gate_no_sigmoid():
+    _, layer, mla, _ = _mods()
+    return {(layer, "mla_attention"): _rebind(mla.mla_attention, jax=_JaxProxy(sigmoid=lambda x: x))}
+
+
+def _p_mla_decode_position_zero():
+    import jax.numpy as jnp
+
+    _, layer, mla, _ = _mods()
+    orig = mla.mla_attention
+
+    def wrapped(p, x, positions, spec, cache=None):  # decode without explicit positions: RoPE at 0 (ORC trap)
+        if x.shape[1] == 1:
+            positions = jnp.zeros_like(positions)
+        return orig(p, x, positions, spec, cache)
+
+    return {(layer, "mla_attention"): wrapped}
+
+
+def _p_expert_bias_in_weights():
+    import jax
+    import jax.numpy as jnp
+
+    *_, moe = _mods()
+
+    def route(x, w_router, bias, m, forced_idx=None):  # weights from the *biased* scores (facts §5.4: unbiased)
+        logits = moe.router_logits(x, w_router)
+        idx = moe.select_experts(logits, bias, m) if forced_idx is None else jnp.asarray(forced_idx).astype(jnp.int32)
+        w = jnp.take_along_axis(jax.nn.sigmoid(logits) + bias.astype(jnp.float32), idx, axis=-1)
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+        return logits, idx, w * m.routed_scaling
+
+    return {(moe, "route"): route}
+
+
+def _p_routed_scaling_twice():
+    *_, moe = _mods()
+    orig = moe.routing_weights
+    return {(moe, "routing_weights"): lambda logits, idx, m: orig(logits, idx, m) * m.routed_scaling}
+
+
+def _p_no_topk_renorm():
+    import jax
+    import jax.numpy as jnp
+
+    *_, moe = _mods()
+
+    def weights(logits, idx, m):  # norm_topk_prob ignored the other way round: no renormalisation
+        return jnp.take_along_axis(jax.nn.sigmoid(logits), idx, axis=-1) * m.routed_scaling
+
+    return {(moe, "routing_weights"): weights}
+
+
+def _p_no_group_limit():
+    import jax
+    import jax.numpy as jnp
+
+    *_, moe = _mods()
+
+    def select(logits, bias, m):  # plain top-k over all experts: n_group/topk_group ignored (facts §5.3)
+        return jax.lax.top_k(jax.nn.sigmoid(logits) + bias.astype(jnp.float32), m.top_k)[1].astype(jnp.int32)
+
+    return {(moe, "select_experts"): select}
+
+
+def _p_router_bf16():
+    import jax.numpy as jnp
+
+    from parity.jax_ling3.ops import dot_f32
+
+    *_, moe = _mods()
+
+    def logits(x, w):  # router GEMM in bf16 (weights cast to the model dtype), bf16 logits upcast afterwards
+        bf = jnp.bfloat16
+        return dot_f32("...d,de->...e", x.astype(bf), w.astype(bf)).astype(bf).astype(jnp.float32)
+
+    return {(moe, "router_logits"): logits}
+
+
+def _p_shared_scaled():
+    _, layer, _, moe = _mods()
+    orig = moe.moe_block
+
+    def block(p, x, spec, forced_idx=None):  # routed_scaling_factor applied to the shared expert as well
+        y, pts = orig(p, x, spec, forced_idx)
+        if "mlp.shared_experts" in pts:
+            sh = (pts["mlp.shared_experts"].astype("float32") * spec.model.routed_scaling).astype(x.dtype)
+            pts = dict(pts, **{"mlp.shared_experts": sh})
+            y = pts["mlp.routed"] + sh
+        return y, pts
+
+    return {(layer, "moe_block"): block}  # layer.py imported the name: patch where it is looked up
+
+
+def _p_clamp_missing():
+    *_, moe = _mods()
+    orig = moe.swiglu
+    return {(moe, "swiglu"): lambda g, u, limit: orig(g, u, None)}  # swiglu_limit config fields not read (§5.7)
+
+
+def _load_square_not_transposed(t: "MutantTarget", i: int, hf: dict) -> None:
+    # A converter that forgets `.T` on a [out, in] weight passes every shape check when out == in (KDA q_proj with
+    # num_heads·head_dim == hidden_size).
+    att = t.params[i]["attention"]
+    if t.cfg.layer_kind(i) == "kda" and att["q_proj"].shape[0] == att["q_proj"].shape[1]:
+        att["q_proj"] = att["q_proj"].T
+
+
+def _load_mtp_as_last(t: "MutantTarget", i: int, hf: dict) -> None:
+    # A converter that takes the highest `model.layers.N` index as the last decoder layer loads the MTP block
+    # (model.layers.{num_hidden_layers}) there; same module kinds, so no shape error.
+    last = t.cfg.num_hidden_layers - 1
+    if i != last:
+        return
+    from parity.jax_ling3.weights import CheckpointReader
+
+    if t.ckpt_dir is None:
+        raise ValueError("mutation mtp_as_last_layer needs MutantTarget(..., ckpt_dir=...)")
+    mtp = f"model.layers.{t.cfg.num_hidden_layers}."
+    reader = CheckpointReader(Path(t.ckpt_dir))
+    src = {k: v for k, v in reader.key_files.items() if k.startswith(mtp)}
+    from safetensors import safe_open
+
+    moved = {}
+    for k in hf:
+        mk = mtp + k[len(f"model.layers.{last}."):]
+        if mk in src:
+            with safe_open(str(src[mk]), framework="numpy") as f:
+                moved[k] = f.get_tensor(mk)
+        else:
+            moved[k] = hf[k]
+    ReferenceTarget.load_layer(t, i, moved)
+
+
+def _clamp_expected(cfg) -> Expected:
+    i = _first(cfg, lambda j: cfg.is_moe(j) and (cfg.expert_swiglu_limit(j) or cfg.shared_swiglu_limit(j)))
+    sites = (("mlp.routed",) if cfg.expert_swiglu_limit(i) else ()) + \
+            (("mlp.shared_experts",) if cfg.shared_swiglu_limit(i) else ())
+    return Expected("prefill", 0, i, sites)
+
+
+def _pre(site, where):
+    return lambda cfg: Expected("prefill", 0, where(cfg), (site,))
+
+
+def _dec(site, where):
+    return lambda cfg: Expected("decode", 1, where(cfg), (site,))
+
+
+MUTATIONS: dict[str, Mutation] = {m.name: m for m in [
+    Mutation("rope_not_interleaved", "MLA RoPE applied rotate-half on the raw layout, without the de-interleave of "
+             "rope_interleave=true; q/k after RoPE are not compared, scores are → attention.core of the first MLA "
+             "layer", "tiny", _pre("attention.core", first_mla), _p_rope_not_interleaved),
+    Mutation("kda_gate_softplus_in_decode", "KDA decode path uses fla's default softplus gate, prefill the lower-bound "
+             "gate → attention.gate of the first KDA layer at decode step 1", "tiny",
+             _dec("attention.gate", first_kda), _p_gate_softplus_in_decode, needs_decode=True),
+    Mutation("kda_a_log_not_exp", "A_log used as the decay rate instead of exp(A_log) → attention.gate of the first "
+             "KDA layer", "tiny", _pre("attention.gate", first_kda), _p_a_log_not_exp),
+    Mutation("kda_beta_not_sigmoided", "b_proj output fed to the delta rule as β without the sigmoid → "
+             "attention.beta of the first KDA layer", "tiny", _pre("attention.beta", first_kda),
+             _p_beta_not_sigmoided),
+    Mutation("kda_conv_without_silu", "short conv without the fused SiLU → attention.q_conv1d of the first KDA layer",
+             "tiny", _pre("attention.q_conv1d", first_kda), _p_conv_without_silu),
+    Mutation("kda_conv_cache_dropped", "decode step run with zero conv history (cache not threaded) → "
+             "attention.q_conv1d of the first KDA layer at decode step 1", "tiny",
+             _dec("attention.q_conv1d", first_kda), _p_conv_cache_dropped, needs_decode=True),
+    Mutation("kda_l2norm_missing", "q/k L2 norm (use_qk_l2norm_in_kernel) dropped; q/k norms are not dumped, the "
+             "recurrence output is → attention.core of the first KDA layer", "tiny",
+             _pre("attention.core", first_kda), _p_l2norm_missing),
+    Mutation("kda_scale_missing", "q not scaled by head_dim^-1/2 in the recurrence → attention.core of the first KDA "
+             "layer", "tiny", _pre("attention.core", first_kda), _p_kda_scale_missing),
+    Mutation("kda_o_norm_eps", "RMSNorm eps ×10: the gated output norm uses FusedRMSNormGated's default 1e-5 instead "
+             "of rms_norm_eps 1e-6 (visible because the KDA core output is small, RMS ~1e-2) → attention.o_norm of the "
+             "first KDA layer", "tiny", _pre("attention.o_norm", first_kda), _p_o_norm_eps),
+    Mutation("kda_q_proj_not_transposed", "square [out,in] weight (KDA q_proj, H·d == D) loaded without the "
+             "transpose → attention.q_proj of the first KDA layer", "tiny", _pre("attention.q_proj", first_kda),
+             load=_load_square_not_transposed),
+    Mutation("mla_gate_missing", "MLA head gate dropped (core goes straight to dense) → attention.dense:in of the "
+             "first MLA layer", "tiny", _pre("attention.dense:in", first_mla), _p_mla_gate_missing),
+    Mutation("mla_gate_after_dense", "MLA head gate applied after the output projection (to head-sized slices of the "
+             "hidden state) → attention.dense:in of the first MLA layer", "tiny",
+             _pre("attention.dense:in", first_mla), _p_mla_gate_after_dense),
+    Mutation("mla_gate_no_sigmoid", "raw g_proj used as the head gate, sigmoid forgotten → attention.gate of the first "
+             "MLA layer", "tiny", _pre("attention.gate", first_mla), _p_mla_gate_no_sigmoid),
+    Mutation("mla_decode_rope_position_zero", "decode without explicit positions: the new token's RoPE at position 0 "
+             "→ attention.core of the first MLA layer at decode step 1", "tiny",
+             _dec("attention.core", first_mla), _p_mla_decode_position_zero, needs_decode=True),
+    Mutation("moe_expert_bias_in_weights", "combine weights from the bias-corrected scores instead of the unbiased "
+             "sigmoid → mlp.gate.topk_weight of the first MoE layer", "tiny",
+             _pre("mlp.gate.topk_weight", first_moe), _p_expert_bias_in_weights),
+    Mutation("moe_routed_scaling_twice", "routed_scaling_factor applied in the router and again in the combine → "
+             "mlp.gate.topk_weight of the first MoE layer", "tiny", _pre("mlp.gate.topk_weight", first_moe),
+             _p_routed_scaling_twice),
+    Mutation("moe_no_topk_renorm", "top-k weights not renormalised → mlp.gate.topk_weight of the first MoE layer",
+             "tiny", _pre("mlp.gate.topk_weight", first_moe), _p_no_topk_renorm),
+    Mutation("moe_no_group_limit", "group-limited routing ignored (plain top-k over all experts) → "
+             "mlp.gate.topk_idx of the first MoE layer", "tiny", _pre("mlp.gate.topk_idx", first_moe),
+             _p_no_group_limit),
+    Mutation("moe_router_bf16", "router GEMM run in bf16 instead of fp32 → mlp.gate.logits of the first MoE layer",
+             "tiny", _pre("mlp.gate.logits", first_moe), _p_router_bf16),
+    Mutation("moe_shared_expert_scaled", "routed_scaling_factor also applied to the shared expert → "
+             "mlp.shared_experts of the first MoE layer", "tiny", _pre("mlp.shared_experts", first_moe),
+             _p_shared_scaled),
+    Mutation("swiglu_clamp_missing", "SwiGLU clamp limits (swiglu_limit lists) not applied → mlp.routed / "
+             "mlp.shared_experts of the first clamped layer", "tiny-flash", _clamp_expected, _p_clamp_missing),
+    Mutation("mtp_as_last_layer", "the MTP block (model.layers.{num_hidden_layers}) loaded as the last decoder layer "
+             "→ input_layernorm of the last layer (its first weight)", "tiny",
+             lambda cfg: Expected("prefill", 0, cfg.num_hidden_layers - 1, ("input_layernorm",)),
+             load=_load_mtp_as_last),
+]}
+
+
+class MutantTarget(ReferenceTarget):
+    """The reference target with one catalogue bug injected (see the module doc for how)."""
+
+    def __init__(self, mutation: str, *, ckpt_dir: str | Path | None = None, **kw) -> None:
+        super().__init__(**kw)
+        if mutation not in MUTATIONS:
+            raise ValueError(f"unknown mutation {mutation!r}: expected one of {sorted(MUTATIONS)}")
+        self.mutation = MUTATIONS[mutation]
+        self.name = f"reference+{mutation}"
+        self.ckpt_dir = ckpt_dir
+        self._jit = None
+
+    def load_layer(self, i: int, hf_tensors: dict[str, np.ndarray]) -> None:
+        super().load_layer(i, hf_tensors)
+        if self.mutation.load is not None:
+            self.mutation.load(self, i, hf_tensors)
+
+    def _layer_fn(self):
+        if self._jit is None:
+            import jax
+
+            from parity.jax_ling3 import layer
+
+            patches = self.mutation.patches()
+
+            def mutated_layer(p, h, positions, spec, state=None, forced_idx=None):  # fresh object per instance
+                with patched(patches):
+                    return layer.decoder_layer(p, h, positions, spec, state, forced_idx)
+
+            self._jit = jax.jit(mutated_layer, static_argnames=("spec",))
+        return self._jit
+
+    def layer_forward(self, i: int, hidden: np.ndarray, positions: np.ndarray, state: Any = None,
+                      forced_topk: np.ndarray | None = None) -> LayerResult:
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.mla import init_mla_cache
+        from parity.jax_ling3.spec import dtype_of
+        from parity.targets.reference import DECODE_ROOM
+
+        spec = self.spec(i)
+        h = jnp.asarray(hidden, dtype_of(self.dtype))
+        B, T = h.shape[:2]
+        if state is None and spec.kind == "mla":
+            state = init_mla_cache(B, T + DECODE_ROOM, spec)
+        fi = None if forced_topk is None else jnp.asarray(forced_topk, jnp.int32)
+        out, pts, new_state = self._layer_fn()(self.params[i], h, jnp.asarray(positions, jnp.int32), spec, state, fi)
+        return LayerResult(np.asarray(out), {k: np.asarray(v) for k, v in pts.items()}, new_state)
+
+
+__all__ = ["Expected", "Mutation", "MUTATIONS", "MutantTarget", "patched"]
