@@ -120,6 +120,14 @@ def routing_records(ctx: ReplayContext, point_idx: Point, test_idx: np.ndarray, 
             # the target's router scores show on exactly those experts (facts §5.2-3: selection uses biased scores).
             margin = float(min(s_ref[lost]) - max(s_ref[gained]))
             noise = float(np.abs(s_tst - s_ref)[lost + gained].max())
+            # A negative margin (the target took an expert the reference scored *higher*) is no near-tie of the
+            # experts: only the group limit (facts §5.3) explains it, so then (and whenever the target took experts
+            # from a group the reference dropped) the group decision's own margin is what must be a near-tie
+            # (group score = sum of two biased scores; noise taken over every expert).
+            gm = _group_margin(s_ref, lost, gained, cfg)
+            gnoise = float(np.abs(s_tst - s_ref).max())
+            if margin < 0 or gm - 2 * gnoise < margin - 2 * noise:
+                margin, noise = gm, gnoise
         ok = margin <= 2 * noise + 1e-12
         benign[b, t] = ok
         if worst is None or margin - 2 * noise > worst[0]:
@@ -141,6 +149,23 @@ def routing_records(ctx: ReplayContext, point_idx: Point, test_idx: np.ndarray, 
                           f"reference experts {lost} replaced by {gained}, reference margin {margin:.3e} vs "
                           f"router-score noise {noise:.3e}")
     return rec, benign
+
+
+def _group_margin(scores: np.ndarray, lost: list, gained: list, cfg) -> float:
+    """Half the reference's group-score margin between its weakest kept group and the strongest dropped group the
+    target took experts from (so the caller's `margin <= 2*noise` means `group margin <= 4*noise`); +inf when no
+    group limit applies (then a negative expert margin is a plain selection error)."""
+    G, k = int(getattr(cfg, "n_group", 1) or 1), int(getattr(cfg, "topk_group", 1) or 1)
+    if G <= 1 or k >= G:
+        return float("inf")
+    E = scores.shape[-1]
+    per = E // G
+    gs = np.sort(scores.reshape(G, per), axis=-1)[:, -2:].sum(-1)
+    kept = np.argsort(-gs, kind="stable")[:k]
+    dropped_taken = sorted({e // per for e in gained} - set(kept.tolist()))
+    if not dropped_taken:
+        return float("inf")
+    return float(gs[kept].min() - gs[dropped_taken].max()) / 2
 
 
 # ------------------------------------------------------------------------------------------------ engine
