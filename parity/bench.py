@@ -1,0 +1,266 @@
+"""Benchmarks of DESIGN §9: JAX layer replay vs the PyTorch twin layer, dump overhead, HDF5 write rate, peak RSS.
+
+Every measurement runs in a fresh child process (`python -m parity.bench <role> <json args>`), so "cold" really is a
+first call in a new process (jit compile included), the persistent compilation cache can be empty or warm on
+purpose (`LING3_JAX_CACHE`), and peak RSS (`ru_maxrss`) belongs to that measurement alone. The parent
+(`run_bench`, `tools/bench.py`) collects the children's JSON lines into one table + one JSON file.
+
+Timing convention: wall clock (`time.perf_counter`) around a call that has finished (`np.asarray` on the JAX
+side forces the result to host, as the replay does); warm = min and median over `repeats` calls after the first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def current_rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def hidden_states(T: int, D: int, seed: int = 0, B: int = 1) -> np.ndarray:
+    """The layer input used by both sides: N(0, 1) fp32 rounded to bf16 by torch's rounding (RNE), as float32."""
+    import torch
+
+    x = np.random.default_rng(seed).standard_normal((B, T, D)).astype(np.float32)
+    return torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+
+
+def _stats(ts: list[float]) -> dict:
+    return {"min": min(ts), "median": statistics.median(ts), "n": len(ts)}
+
+
+def _tree_nbytes(tree) -> int:
+    import jax
+
+    return int(sum(x.nbytes for x in jax.tree_util.tree_leaves(tree)))
+
+
+# ------------------------------------------------------------------------------------------------ child roles
+def child_jax(ckpt: str, layer: int, Ts: list[int], repeats: int, dtype: str = "bfloat16") -> list[dict]:
+    """JAX teacher-forced replay of one layer (`ReferenceTarget.layer_forward`) at each T (ascending)."""
+    import jax
+
+    from parity.jax_ling3 import COMPILATION_CACHE_DIR
+    from parity.jax_ling3.weights import CheckpointReader
+    from parity.targets.reference import ReferenceTarget
+
+    rss0 = current_rss_mb()
+    reader = CheckpointReader(ckpt)
+    tgt = ReferenceTarget()
+    tgt.build(reader.config, dtype)
+    t = time.perf_counter()
+    tgt.load_layer(layer, reader.lazy_tensors(layer))
+    jax.block_until_ready(tgt.params[layer])
+    load_s = time.perf_counter() - t
+    w_bytes = _tree_nbytes(tgt.params[layer])
+    out = []
+    for T in sorted(Ts):
+        h = hidden_states(T, reader.config.hidden_size)
+        pos = np.arange(T, dtype=np.int32)
+        t = time.perf_counter()
+        res = tgt.layer_forward(layer, h, pos)
+        cold = time.perf_counter() - t
+        act_bytes = h.nbytes // 2 + sum(v.nbytes for v in res.points.values())  # input as bf16 + every point
+        warm = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            tgt.layer_forward(layer, h, pos)
+            warm.append(time.perf_counter() - t)
+        out.append({"side": "jax", "layer": layer, "kind": tgt.spec(layer).kind, "moe": tgt.spec(layer).moe, "T": T,
+                    "cold_s": cold, "warm": _stats(warm), "compile_s_est": cold - min(warm),
+                    "cache_dir": COMPILATION_CACHE_DIR, "load_s": load_s, "weights_mb": w_bytes / 2**20,
+                    "activations_mb": act_bytes / 2**20, "rss_base_mb": rss0, "peak_rss_mb": peak_rss_mb(),
+                    "loadavg": load_average()})
+    return out
+
+
+def _twin_layer_inputs(model, layer_mod, h, T: int):
+    import torch
+
+    twin = sys.modules[type(model).__module__]
+    pos = torch.arange(T)[None]
+    pos_emb = model.model.rotary_emb(h, pos)
+    mask = twin._prepare_4d_causal_attention_mask(None, (h.shape[0], T), h, 0)  # eager load, as the model forward
+    return dict(attention_mask=mask, position_embeddings=pos_emb, past_key_values=None, use_cache=False)
+
+
+def child_torch(ckpt: str, layers: list[int], Ts: list[int], repeats: int, dtype: str = "bfloat16") -> list[dict]:
+    """The PyTorch twin's decoder layer module called directly on the same hidden states (bf16)."""
+    import torch
+
+    from parity.torch_ref.loader import load_model
+
+    t = time.perf_counter()
+    loaded = load_model(ckpt, "remote", dtype=dtype)
+    load_s = time.perf_counter() - t
+    model = loaded.model
+    out = []
+    with torch.inference_mode():
+        for layer in layers:
+            mod = model.model.layers[layer]
+            for T in sorted(Ts):
+                h = torch.from_numpy(hidden_states(T, loaded.config.hidden_size)).to(getattr(torch, dtype))
+                kw = _twin_layer_inputs(model, mod, h, T)
+                t = time.perf_counter()
+                mod(h, **kw)
+                cold = time.perf_counter() - t
+                warm = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    mod(h, **kw)
+                    warm.append(time.perf_counter() - t)
+                out.append({"side": "torch", "layer": layer, "T": T, "cold_s": cold, "warm": _stats(warm),
+                            "threads": torch.get_num_threads(), "load_s": load_s, "peak_rss_mb": peak_rss_mb(),
+                            "loadavg": load_average()})
+    loaded.release()
+    return out
+
+
+def child_dump(ckpt: str, T: int, out_dir: str, repeats: int, dtype: str = "bfloat16") -> list[dict]:
+    """Dump (capture + HDF5 streaming) vs the same prefill forward without capture, same process, same model.
+
+    Plain forward: `load_model` + the model's forward on the same ids (prefill only, no decode steps); dump:
+    `dump_checkpoint(..., decode_steps=0, causality_check=False)` whose `seconds_forward` is the captured forward
+    incl. writing. Both repeated; min taken."""
+    import torch
+
+    from parity.torch_ref.dump import DumpOptions, dump_checkpoint
+    from parity.torch_ref.loader import load_model
+    from parity.torch_ref.prompts import builtin_ids
+
+    loaded = load_model(ckpt, "remote", dtype=dtype)
+    cfg = loaded.config
+    ids = np.asarray(builtin_ids(cfg.vocab_size, T, 0)).reshape(1, -1)[:, :T]
+    plain = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t = time.perf_counter()
+            loaded.model(input_ids=torch.from_numpy(ids).long(), use_cache=False)
+            plain.append(time.perf_counter() - t)
+    loaded.release()
+    del loaded
+    dumps = []
+    sizes = []
+    for r in range(repeats):
+        path = Path(out_dir) / f"bench-dump-{r}.h5"
+        s = dump_checkpoint(ckpt, path, ids, DumpOptions(dtype=dtype, decode_steps=0, causality_check=False,
+                                                         progress=False, force=True))
+        dumps.append(s.seconds_forward)
+        sizes.append(path.stat().st_size)
+        path.unlink()
+    n_layers = cfg.num_hidden_layers
+    size = sizes[0]
+    return [{"side": "dump", "T": T, "layers": n_layers, "plain_forward": _stats(plain),
+             "dump_forward": _stats(dumps), "ratio_min": min(dumps) / min(plain), "file_mb": size / 2**20,
+             "points": s.points, "raw_bytes": s.bytes,
+             "bytes_per_token_layer": size / (T * n_layers),
+             "write_mb_per_s_est": (size / 2**20) / max(1e-9, min(dumps) - min(plain)),
+             "peak_rss_mb": peak_rss_mb(), "loadavg": load_average()}]
+
+
+ROLES = {"jax": child_jax, "torch": child_torch, "dump": child_dump}
+
+
+def run_child(role: str, kwargs: dict, env: dict | None = None, timeout: float = 3600) -> list[dict]:
+    """Run one role in a fresh interpreter; returns its records (the child prints one JSON line)."""
+    cmd = [sys.executable, "-m", "parity.bench", role, json.dumps(kwargs)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    if p.returncode != 0:
+        raise RuntimeError(f"bench child {role} {kwargs} failed (rc {p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------------ parent
+def run_bench(ckpt: str, layers: list[int], Ts: list[int], repeats: int = 3, dump_T: int | None = None,
+              dump_ckpt: str | None = None, log=print) -> dict:
+    """Layer replay (JAX cold with an empty cache, cold with the cache warm, warm) vs the twin layer, + dump overhead."""
+    res: dict[str, Any] = {"ckpt": ckpt, "layers": layers, "Ts": Ts, "repeats": repeats,
+                           "loadavg_start": load_average(), "ncpu": os.cpu_count(), "jax": [], "torch": [], "dump": []}
+    with tempfile.TemporaryDirectory(prefix="ling3-bench-cache-") as cache:
+        for layer in layers:
+            for cache_state in ("empty", "warm"):  # the first run fills the fresh cache, the second reads it
+                recs = run_child("jax", {"ckpt": ckpt, "layer": layer, "Ts": Ts, "repeats": repeats},
+                                 env={"LING3_JAX_CACHE": cache})
+                for r in recs:
+                    r["persistent_cache"] = cache_state
+                    log(f"jax L{layer} T={r['T']} cache={cache_state}: cold {r['cold_s']:.2f}s "
+                        f"warm {r['warm']['min']:.3f}s peak {r['peak_rss_mb']:.0f} MB")
+                res["jax"] += recs
+    recs = run_child("torch", {"ckpt": ckpt, "layers": layers, "Ts": Ts, "repeats": repeats})
+    for r in recs:
+        log(f"torch L{r['layer']} T={r['T']}: cold {r['cold_s']:.2f}s warm {r['warm']['min']:.3f}s")
+    res["torch"] = recs
+    if dump_T:
+        with tempfile.TemporaryDirectory(prefix="ling3-bench-dump-") as d:
+            res["dump"] = run_child("dump", {"ckpt": dump_ckpt or ckpt, "T": dump_T, "out_dir": d,
+                                             "repeats": repeats})
+        log(f"dump: {res['dump'][0]['ratio_min']:.2f}x plain forward")
+    res["loadavg_end"] = load_average()
+    return res
+
+
+def table(res: dict) -> str:
+    """Markdown table: per layer and T, JAX warm/cold vs the twin, ratio, compile, peak RSS vs weights+activations."""
+    torch_t = {(r["layer"], r["T"]): r for r in res["torch"]}
+    rows = ["| layer | kind | T | JAX warm min / med (s) | twin warm min / med (s) | JAX/twin | JAX cold, empty cache (s) "
+            "| JAX cold, warm cache (s) | compile est. (s) | twin cold (s) | peak RSS (MB) | weights + act. (MB) "
+            "| RSS / (w+a) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    jx = {(r["layer"], r["T"], r["persistent_cache"]): r for r in res["jax"]}
+    for (layer, T, c), r in sorted(jx.items()):
+        if c != "empty":
+            continue
+        w = jx.get((layer, T, "warm"), r)
+        tt = torch_t.get((layer, T))
+        kind = ("KDA" if r["kind"] == "kda" else "MLA") + ("+MoE" if r["moe"] else "+dense")
+        jw = min(r["warm"]["min"], w["warm"]["min"])
+        jm = statistics.median([r["warm"]["median"], w["warm"]["median"]])
+        peak = max(r["peak_rss_mb"], w["peak_rss_mb"]) - r["rss_base_mb"]
+        wa = r["weights_mb"] + r["activations_mb"]
+        tw = f"{tt['warm']['min']:.3f} / {tt['warm']['median']:.3f}" if tt else "-"
+        ratio = f"{jw / tt['warm']['min']:.2f}" if tt else "-"
+        rows.append(f"| {layer} | {kind} | {T} | {jw:.3f} / {jm:.3f} | {tw} | {ratio} | {r['cold_s']:.2f} | "
+                    f"{w['cold_s']:.2f} | {r['compile_s_est']:.2f} | {tt['cold_s'] if tt else float('nan'):.2f} | "
+                    f"{peak:.0f} | {wa:.0f} | {peak / wa:.2f} |")
+    for d in res.get("dump", []):
+        rows.append("")
+        rows.append(f"dump (T={d['T']}, {d['layers']} layers, prefill only): captured forward "
+                    f"{d['dump_forward']['min']:.2f}s vs plain {d['plain_forward']['min']:.2f}s = "
+                    f"{d['ratio_min']:.2f}x; file {d['file_mb']:.1f} MB = {d['bytes_per_token_layer'] / 1024:.1f} KiB "
+                    f"per token per layer; HDF5 write ≥ {d["write_mb_per_s_est"]:.1f} MB/s (file MB / (dump − plain) s: capture time counted as writing)")
+    rows.append("")
+    rows.append(f"load average start {res['loadavg_start']} end {res.get('loadavg_end')}, {res['ncpu']} CPUs; "
+                f"peak RSS is the child's ru_maxrss minus its RSS after imports")
+    return "\n".join(rows)
+
+
+def _child_main(argv: list[str]) -> None:
+    role, kwargs = argv[0], json.loads(argv[1])
+    recs = ROLES[role](**kwargs)
+    sys.stdout.flush()
+    print(json.dumps(recs))
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1:])

@@ -1,0 +1,39 @@
+#!/usr/bin/env python
+"""Benchmark the JAX replay vs the PyTorch twin per layer, and the dump overhead (DESIGN §9). Prints a markdown
+table and writes the raw records as JSON. Example (real Ling3-Tiny layer shapes):
+
+    python tools/make_ckpt.py --preset ling3-tiny --layers 4 --seed 0 --out /tmp/lt4
+    python tools/bench.py /tmp/lt4 --layers 0,1,3 --T 128,512,2048 --dump-T 128 --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from parity.bench import run_bench, table  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("ckpt", help="checkpoint directory (e.g. a ling3-tiny one from tools/make_ckpt.py)")
+    ap.add_argument("--layers", default="0,1,3", help="layer indices, comma-separated (default 0,1,3)")
+    ap.add_argument("--T", default="128,512,2048", help="sequence lengths, comma-separated")
+    ap.add_argument("--repeats", type=int, default=3, help="warm calls per measurement (min and median reported)")
+    ap.add_argument("--dump-T", type=int, default=0, help="also measure dump overhead at this prompt length (0: skip)")
+    ap.add_argument("--dump-ckpt", default=None, help="checkpoint for the dump measurement (default: ckpt)")
+    ap.add_argument("--json", default="bench.json", help="output JSON path")
+    a = ap.parse_args(argv)
+    res = run_bench(a.ckpt, [int(x) for x in a.layers.split(",")], [int(x) for x in a.T.split(",")], a.repeats,
+                    a.dump_T or None, a.dump_ckpt, log=lambda m: print(m, file=sys.stderr, flush=True))
+    Path(a.json).write_text(json.dumps(res, indent=1))
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
