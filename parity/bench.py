@@ -248,7 +248,7 @@ def table(res: dict) -> str:
         rows.append(f"dump (T={d['T']}, {d['layers']} layers, prefill only): captured forward "
                     f"{d['dump_forward']['min']:.2f}s vs plain {d['plain_forward']['min']:.2f}s = "
                     f"{d['ratio_min']:.2f}x; file {d['file_mb']:.1f} MB = {d['bytes_per_token_layer'] / 1024:.1f} KiB "
-                    f"per token per layer; HDF5 write ≥ {d["write_mb_per_s_est"]:.1f} MB/s (file MB / (dump − plain) s: capture time counted as writing)")
+                    f"per token per layer; HDF5 write ≥ {d['write_mb_per_s_est']:.1f} MB/s (file MB / (dump − plain) s: capture time counted as writing)")
     rows.append("")
     rows.append(f"load average start {res['loadavg_start']} end {res.get('loadavg_end')}, {res['ncpu']} CPUs; "
                 f"peak RSS is the child's ru_maxrss minus its RSS after imports")
