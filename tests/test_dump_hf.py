@@ -112,7 +112,7 @@ def test_twin_and_native_agree_at_every_shared_point(tmp_path):
     dump_checkpoint(ck, a, IDS_80, _opts(dtype="float32", runtime="remote"))
     dump_checkpoint(ck, b, IDS_80, _opts(dtype="float32", runtime="native"))
     with DumpReader(a) as ra, DumpReader(b) as rb:
-        shared = sorted(set(ra.points()) & set(rb.points()))
+        shared = sorted(set(ra.points()) & set(rb.points()), key=lambda p: p.key())
         assert len(shared) > 300
         assert rb.unavailable(), "the built-in hides some points; they must be declared, not zero-filled"
         worst = (0.0, None)
