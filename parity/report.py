@@ -243,7 +243,8 @@ def html_page(report: dict) -> str:
     style = ("body{font-family:system-ui,sans-serif;margin:24px;color:#222}table{border-collapse:collapse;"
              "font-size:13px}td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}th{background:#eee}"
              "tr.bad td{background:#fdecea}tr.here td{background:#f9d6d2;font-weight:bold}"
-             ".fd{background:#fff4e5;border-left:4px solid #e67e22;padding:8px;margin:8px 0}code{font-size:13px}")
+             ".fd{background:#fff4e5;border-left:4px solid #e67e22;padding:8px;margin:8px 0}code{font-size:13px}"
+             "pre{white-space:pre-wrap;background:#f6f6f6;padding:8px;font-size:12px}")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>ling3-parity {verdict}</title>"
             f"<style>{style}</style></head><body>{head}<h2>Error growth</h2>{_svg_plot(layer_table(report))}"
             "<h2>Per layer</h2><table><tr><th></th><th>phase</th><th>step</th><th>layer</th><th>points</th>"
