@@ -430,12 +430,28 @@ def propose_rule(points: Sequence[dict], safety: float = SAFETY) -> tuple[Propos
     return ProposedRule(sites, cls, mode, dtype, compute, fields, basis), F
 
 
+ROUTER_DOWNSTREAM = ("mlp.gate.topk_weight", "mlp.routed", "mlp", "output")
+
+
+def flag_after_flips(points: list[dict], routing: list[dict]) -> int:
+    """Mark points downstream of a NON-benign top-k flip of the same replay step (the routing check already fails
+    there; their noise is a routing difference, not numerics) with `after_nonbenign_flip`. Returns how many."""
+    bad = {(r["corpus"], r["mode"], r["phase"], r["step"], r["layer"]) for r in routing if r.get("status") == "fail"}
+    n = 0
+    for p in points:
+        hit = p["site"] in ROUTER_DOWNSTREAM and (p["corpus"], p["mode"], p["phase"], p["step"], p["layer"]) in bad
+        p["after_nonbenign_flip"] = hit
+        n += hit
+    return n
+
+
 def propose_rules(points: Iterable[dict], safety: float = SAFETY) -> tuple[list[ProposedRule], dict[tuple, int]]:
     """One rule per measured (class, mode ∈ {layer, free}, dtype, compute) group, plus per-tier catch-alls = the
     loosest value of any class of that tier (for sites the corpus does not cover). Also returns each group's floor."""
     groups: dict[tuple, list[dict]] = {}
     for p in points:
-        groups.setdefault(group_key(p), []).append(p)
+        if not p.get("after_nonbenign_flip"):
+            groups.setdefault(group_key(p), []).append(p)
     rules, floors = [], {}
     for key, ps in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
         if key[1] not in ("layer", "free"):

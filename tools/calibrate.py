@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--safety", type=float, default=C.SAFETY)
     ap.add_argument("--out", default=str(ROOT / "parity/numerics/calibration"))
     ap.add_argument("--workdir", default=None, help="keep checkpoints/dumps here (default: a temp dir)")
+    ap.add_argument("--from-points", default=None,
+                    help="re-aggregate points.json.gz/routing.json.gz of an earlier run in this directory (no corpus)")
     ap.add_argument("--write-defaults", action="store_true",
                     help="also write the proposed table to parity/numerics/default_tolerances.toml")
     a = ap.parse_args(argv)
@@ -54,14 +56,26 @@ def main(argv=None) -> int:
     mach = C.machine()
     t0 = time.perf_counter()
     Path(a.out).mkdir(parents=True, exist_ok=True)
+    if a.from_points:
+        src = Path(a.from_points)
+        meas = C.Measurement(points=json.load(gzip.open(src / "points.json.gz", "rt")),
+                             routing=json.load(gzip.open(src / "routing.json.gz", "rt")),
+                             runs=json.load(open(src / "measurements.json"))["runs"])
+        old = json.load(open(src / "measurements.json"))
+        command, date, mach = old["command"], old["date"], old["machine"]
+    else:
+        meas = None
     with tempfile.TemporaryDirectory(prefix="ling3-calib-") as tmp:
+      if meas is None:
         work = Path(a.workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
         meas = C.run_calibration(spec, work, log=lambda s: print(f"[{time.perf_counter() - t0:6.0f}s] {s}", flush=True))
-        with gzip.open(out_points := Path(a.out) / "points.json.gz", "wt") as f:
+        with gzip.open(Path(a.out) / "points.json.gz", "wt") as f:
             json.dump(meas.points, f)
         with gzip.open(Path(a.out) / "routing.json.gz", "wt") as f:
             json.dump(meas.routing, f)
+    n_flip = C.flag_after_flips(meas.points, meas.routing)
+    print(f"{n_flip} point(s) downstream of a non-benign routing flip left out of the rules (reported)")
     rules, floors = C.propose_rules(meas.points, a.safety)
     aggs = C.aggregate(meas.points, floors)
     routing = C.routing_summary(meas.routing)
@@ -71,7 +85,7 @@ def main(argv=None) -> int:
     (out / "proposed_tolerances.toml").write_text(toml, encoding="utf-8")
     (out / "measurements.json").write_text(json.dumps({
         "command": command, "date": date, "machine": mach, "corpus": spec.__dict__, "safety": a.safety,
-        "seconds": round(time.perf_counter() - t0, 1),
+        "seconds": round(time.perf_counter() - t0, 1), "excluded_after_nonbenign_flip": n_flip,
         "groups": [{"class": k[0], "mode": k[1], "dtype": k[2], "compute": k[3], **v} for k, v in aggs.items()],
         "routing": routing, "runs": meas.runs,
     }, indent=1, default=str), encoding="utf-8")
