@@ -30,8 +30,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="checkpoint directory (default: found by the dump's fingerprint among dumps/ckpt/*)")
     g.addoption("--parity-target", default="reference",
                 help="target: 'reference' (pure-JAX Ling3) or 'package.module:Class' (external adapter)")
-    g.addoption("--parity-mode", default="layer", choices=["layer", "free", "forced"],
-                help="layer = teacher forcing per layer; free = run from token ids; forced = layer + forced routing")
+    g.addoption("--parity-mode", default="layer", choices=["layer", "free", "forced", "isolated"],
+                help="layer = teacher forcing per layer; free = run from token ids; forced = layer + forced routing; "
+                     "isolated = each sub-module fed its own dumped inputs")
     g.addoption("--parity-tolerances", default=None, help="TOML tolerance rules merged over the defaults")
     g.addoption("--parity-tol", action="append", default=[],
                 help="one rule override, e.g. 'mlp.*:layer:bfloat16:max_ulps=8,hard_ulps=64' (repeatable)")
@@ -140,6 +141,10 @@ class ParitySession:
                 recs = replay.replay_free(ctx)
             elif layer is None:
                 recs = replay.replay_model_points(ctx)
+            elif ctx.mode == "isolated":
+                from parity.isolated import replay_isolated
+
+                recs = replay_isolated(ctx, layer)
             else:
                 recs = replay.replay_layer(ctx, layer)
             self.replays[key] = {(r["phase"], r["step"], r["layer"], r["site"]): r for r in recs}

@@ -5,6 +5,7 @@ Modes:
   decode state is built by the target itself from the dumped prefill input of that layer). Errors do not
   accumulate across layers, so every independently wrong layer is found in one run.
 - `free`: the target runs from the dump's token ids; every point compared; shows how the error grows per layer.
+- `isolated`: every sub-module fed its own dumped inputs (`parity.isolated.replay_isolated`).
 - `forced`: like `layer`, with the MoE forced to the reference's expert ids, so expert maths is compared even where
   routing flipped.
 Routing (every mode): top-k expert *sets* are compared per token; a mismatch is **benign** when the reference's own
@@ -22,7 +23,7 @@ import numpy as np
 
 from parity.points import Point, sites_for_config
 
-MODES = ("layer", "free", "forced")
+MODES = ("layer", "free", "forced", "isolated")  # isolated: parity/isolated.py
 ROUTER_DOWNSTREAM = ("mlp.gate.topk_weight", "mlp.routed", "mlp", "output")
 
 
@@ -337,7 +338,12 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
             todo = range(dump.config.num_hidden_layers) if layers is None else layers
             for i in todo:
                 if dump.has(Point("prefill", 0, i, "input")):
-                    records += replay_layer(ctx, i)
+                    if mode == "isolated":
+                        from parity.isolated import replay_isolated
+
+                        records += replay_isolated(ctx, i)
+                    else:
+                        records += replay_layer(ctx, i)
                     if progress:
                         progress(f"layer {i}")
             records += replay_model_points(ctx)

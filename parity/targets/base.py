@@ -76,3 +76,21 @@ class Target(abc.ABC):
     @abc.abstractmethod
     def head(self, hidden: np.ndarray) -> dict[str, np.ndarray]:
         """Final norm and LM head: {"final_norm": [B,T,D], "logits": [B,T,V]}."""
+
+    def submodule(self, i: int, site: str, inputs: dict[str, np.ndarray], state: dict[str, np.ndarray] | None = None
+                  ) -> np.ndarray | None:
+        """Isolated replay (DESIGN §6, capability `isolated`): compute the one site `site` of layer i from the
+        *dumped* tensors it is fed, and nothing else. Returns the site's tensor in its canonical shape
+        (`parity.points.canonical_shape`, else the natural [B,T,...] shape), or None when the target cannot compute
+        this site in isolation (the replay then records it as skipped, with this target's name in the reason).
+
+        `inputs` maps canonical site names to the dumped tensors of the same phase/step, in the dump's dtypes, as
+        listed per site by `parity.isolated.feeds(kind, moe, q_lora, site)` — e.g. `attention.o_proj` gets
+        {"attention.o_norm"}, `attention.core` (KDA) gets the q/k/v conv outputs, `attention.gate`,
+        `attention.beta`; MLA `attention.core` additionally gets "positions" (int [T], absolute RoPE positions of
+        these tokens). Sites needing the routing get the dumped "mlp.gate.topk_idx" / "mlp.gate.topk_weight".
+        `state` (decode steps only, None at prefill) holds dumped tensors of *earlier* steps of this layer:
+        KDA {"attention.conv_state": [3,B,P,W], "attention.state": [B,H,K,V]} of the previous step; MLA
+        {"attention.kv_b_proj": [B,S,·], "attention.kv_a_proj_with_mqa": [B,S,·]} of all S earlier tokens
+        (positions 0..S-1). The default implementation supports no site."""
+        return None

@@ -19,7 +19,7 @@ DECODE_ROOM = 128
 class ReferenceTarget(Target):
     name = "reference"
     capabilities = frozenset({"q_lora", "swiglu_clamp", "absorbed_decode", "forced_routing", "kda_chunked",
-                              "kda_recurrent", "decode", "mesh"})
+                              "kda_recurrent", "decode", "mesh", "isolated"})
 
     def __init__(self, *, clamp: bool = True, kda_mode: str = "auto", mla_absorbed: bool = True) -> None:
         self.clamp, self.kda_mode, self.mla_absorbed = clamp, kda_mode, mla_absorbed
@@ -101,3 +101,283 @@ class ReferenceTarget(Target):
         fi = None if forced_topk is None else jnp.asarray(forced_topk, jnp.int32)
         out, pts, new_state = decoder_layer_jit(self.params[i], h, jnp.asarray(positions, jnp.int32), spec, state, fi)
         return LayerResult(np.asarray(out), {k: np.asarray(v) for k, v in pts.items()}, new_state)
+
+    def submodule(self, i: int, site: str, inputs: dict[str, np.ndarray], state: dict[str, np.ndarray] | None = None
+                  ) -> np.ndarray | None:
+        """One site of layer i from its dumped inputs (protocol: `Target.submodule`), by the same `jax_ling3`
+        functions the layer uses; one jitted function per (site, spec, shapes)."""
+        import jax.numpy as jnp
+
+        spec = self.spec(i)
+        if (spec.kind, site) not in ISOLATED_SITES and ("*", site) not in ISOLATED_SITES:
+            return None
+        arrs = {k: jnp.asarray(v) for k, v in inputs.items()}  # the dump's own dtypes: what the module was fed
+        st = None if state is None else {k: jnp.asarray(v) for k, v in state.items()}
+        return np.asarray(_isolated_jit(self.params[i], arrs, st, site=site, spec=spec))
+
+
+# ------------------------------------------------------------------------------------------------ isolated sites
+# Each function computes one site from the dumped tensors it is fed (`x`, keyed by site name), with the layer's
+# converted params `p` and, on decode steps, the dumped state of earlier steps (`st`). They reuse the `jax_ling3`
+# pure functions, so the isolated replay measures exactly the code the layer replay runs.
+def _kda_conv(name: str):
+    def f(p, x, st, spec):
+        from parity.jax_ling3.kda import short_conv
+
+        cache = None if st is None else st["attention.conv_state"]["qkv".index(name)]  # fla: last W inputs (§3.11)
+        return short_conv(x[f"attention.{name}_proj"], p["attention"][f"{name}_conv1d"], cache)[0]
+    return f
+
+
+def _kda_conv_state(p, x, st, spec):
+    import jax.numpy as jnp
+
+    from parity.jax_ling3.kda import short_conv
+
+    out = []
+    for j, name in enumerate("qkv"):
+        cache = None if st is None else st["attention.conv_state"][j]
+        out.append(short_conv(x[f"attention.{name}_proj"], p["attention"][f"{name}_conv1d"], cache)[1])
+    return jnp.stack(out)
+
+
+def _kda_kernel(p, x, st, spec):
+    """(core, state) from dumped conv outputs, gate, beta (facts §3.3, §3.6); kernel as the official code picks it:
+    recurrent for T <= 64, chunked beyond (§3.10), unless the spec forces one."""
+    from parity.jax_ling3.kda import CHUNK, KERNELS
+    from parity.jax_ling3.norms import l2_normalize
+
+    m = spec.model
+    H, d = m.num_heads, m.kda_head_dim
+    q, k, v = (x[f"attention.{n}_conv1d"] for n in "qkv")
+    B, T = q.shape[:2]
+    q, k, v = (t.reshape(B, T, H, d) for t in (q, k, v))
+    mode = spec.kda_mode if spec.kda_mode != "auto" else ("recurrent" if T <= CHUNK else "chunked")
+    S0 = None if st is None else st["attention.state"]
+    o, S = KERNELS[mode](l2_normalize(q), l2_normalize(k), v, x["attention.gate"], x["attention.beta"], d ** -0.5,
+                         S0)
+    return o.astype(q.dtype), S  # kernel output cast back to the q dtype (facts §8)
+
+
+def _kda_o_norm(p, x, st, spec):
+    from parity.jax_ling3.norms import gated_rms_norm
+
+    core = x["attention.core"]
+    gp = x["attention.g_proj"].reshape(core.shape)  # [B,T,P] -> [B,T,H,d] (facts §3.7: per head)
+    return gated_rms_norm(core, gp, p["attention"]["o_norm"], spec.model.eps)
+
+
+def _mla_core(p, x, st, spec):
+    """Naive causal MLA (facts §4.2–4.4) over the dumped q and the dumped expanded K/V of every token so far
+    (the reference caches per-head K/V, facts §9), with keys at positions 0..S-1 and queries at `positions`."""
+    import jax.numpy as jnp
+
+    from parity.jax_ling3.mla import _naive
+    from parity.jax_ling3.rope import apply_rope_interleaved, cos_sin
+
+    m = spec.model
+    H, n, r, vd, c = m.num_heads, m.qk_nope, m.qk_rope, m.v_head_dim, m.kv_lora_rank
+    q = x["attention.q_proj"] if m.q_lora_rank is None else x["attention.q_b_proj"]
+    kv, kv_a = x["attention.kv_b_proj"], x["attention.kv_a_proj_with_mqa"]
+    if st is not None:
+        kv = jnp.concatenate([st["attention.kv_b_proj"].astype(kv.dtype), kv], axis=1)
+        kv_a = jnp.concatenate([st["attention.kv_a_proj_with_mqa"].astype(kv_a.dtype), kv_a], axis=1)
+    B, T = q.shape[:2]
+    S = kv.shape[1]
+    dt = q.dtype
+    q = q.reshape(B, T, H, n + r)
+    qpos = jnp.broadcast_to(x["positions"], (B, T))
+    kpos = jnp.broadcast_to(jnp.arange(S), (B, S))
+    cq, sq = cos_sin(qpos, r, m.rope_theta, dt)
+    ck, sk = cos_sin(kpos, r, m.rope_theta, dt)
+    q_rope = apply_rope_interleaved(q[..., n:], cq, sq)
+    k_rope = apply_rope_interleaved(kv_a[..., None, c:], ck, sk)[..., 0, :]
+    kvh = kv.reshape(B, S, H, n + vd)
+    allowed = jnp.arange(S)[None, :] <= (S - T + jnp.arange(T))[:, None]  # the T new tokens are the last T keys
+    core = _naive(q[..., :n], q_rope, kvh[..., :n], kvh[..., n:], k_rope, allowed, m.attn_scale, dt)
+    return core.reshape(B, T, H * vd)
+
+
+def _dense_in(p, x, st, spec):
+    core, gate = x["attention.core"], x["attention.gate"]
+    B, T, HV = core.shape
+    H = gate.shape[-1]
+    return (core.reshape(B, T, H, HV // H) * gate[..., None]).reshape(B, T, HV)  # head gate before dense (§4.6)
+
+
+def _lin(src: str, w: str, group: str = "attention"):
+    """linear(x[src] with its leading [B,T] kept and the rest flattened, p[group][w])."""
+    def f(p, x, st, spec):
+        from parity.jax_ling3.ops import linear
+
+        a = x[src]
+        return linear(a.reshape(*a.shape[:2], -1), p[group][w])  # KDA o_norm [B,T,H,d] -> [B,T,P]
+    return f
+
+
+def _norm(src: str, w: str, mla: bool = False):
+    """RMSNorm of x[src]: layer norms with rms_norm_eps (facts §6); MLA q_a/kv_a norms with their class-default eps
+    (facts §4.2), kv_a_layernorm on the latent part [:c] of kv_a_proj_with_mqa."""
+    def f(p, x, st, spec):
+        from parity.jax_ling3.mla import MLA_NORM_EPS
+        from parity.jax_ling3.norms import rms_norm
+
+        if not mla:
+            return rms_norm(x[src], p[w], spec.model.eps)
+        a = x[src][..., :spec.model.kv_lora_rank] if w == "kv_a_layernorm" else x[src]
+        return rms_norm(a, p["attention"][w], MLA_NORM_EPS)
+    return f
+
+
+def _post_norm(p, x, st, spec):
+    from parity.jax_ling3.norms import rms_norm
+
+    h = x["input"] + x["attention"]  # residual stream in the model dtype (facts §8)
+    return rms_norm(h, p["post_attention_layernorm"], spec.model.eps)
+
+
+def _output(p, x, st, spec):
+    return (x["input"] + x["attention"]) + x["mlp"]
+
+
+def _down(p, x, st, spec):
+    from parity.jax_ling3.moe import swiglu
+    from parity.jax_ling3.ops import linear
+
+    # dense layers never clamp (facts §5.7)
+    return linear(swiglu(x["mlp.gate_proj"], x["mlp.up_proj"], None), p["mlp"]["down_proj"])
+
+
+def _router_logits(p, x, st, spec):
+    from parity.jax_ling3.moe import router_logits
+
+    return router_logits(x["post_attention_layernorm"], p["mlp"]["router"])
+
+
+def _topk_idx(p, x, st, spec):
+    import jax.numpy as jnp
+
+    from parity.jax_ling3.moe import select_experts
+
+    idx = select_experts(x["mlp.gate.logits"].astype(jnp.float32), p["mlp"]["expert_bias"], spec.model)
+    return jnp.sort(idx, axis=-1)  # canonical order: ascending expert id (parity.points)
+
+
+def _topk_weight(p, x, st, spec):
+    import jax.numpy as jnp
+
+    from parity.jax_ling3.moe import routing_weights
+
+    return routing_weights(x["mlp.gate.logits"].astype(jnp.float32), x["mlp.gate.topk_idx"].astype(jnp.int32),
+                           spec.model)
+
+
+def _routed(p, x, st, spec):
+    from parity.jax_ling3.moe import routed_experts
+
+    h = x["post_attention_layernorm"]
+    B, T, D = h.shape
+    idx, w = x["mlp.gate.topk_idx"], x["mlp.gate.topk_weight"]
+    k = idx.shape[-1]
+    y = routed_experts(p["mlp"], h.reshape(B * T, D), idx.reshape(B * T, k).astype("int32"), w.reshape(B * T, k),
+                       spec.routed_limit)
+    return y.reshape(B, T, D)
+
+
+def _shared(p, x, st, spec):
+    from parity.jax_ling3.moe import dense_mlp
+
+    sp = {k: p["mlp"][f"shared_{k}"] for k in ("gate_proj", "up_proj", "down_proj")}
+    return dense_mlp(sp, x["post_attention_layernorm"], spec.shared_limit)[0]
+
+
+def _moe_sum(p, x, st, spec):
+    return x["mlp.routed"] + x["mlp.shared_experts"] if spec.model.has_shared else x["mlp.routed"]
+
+
+def _beta(p, x, st, spec):
+    import jax
+    import jax.numpy as jnp
+
+    return jax.nn.sigmoid(x["attention.b_proj"].astype(jnp.float32))  # fp32 (facts §3.4)
+
+
+def _gate(p, x, st, spec):
+    from parity.jax_ling3.kda import kda_gate
+
+    a = x["attention.f_proj"]
+    B, T = a.shape[:2]
+    H, d = spec.model.num_heads, spec.model.kda_head_dim
+    return kda_gate(a.reshape(B, T, H, d), p["attention"]["A_log"], p["attention"]["dt_bias"],
+                    spec.model.lower_bound)  # fp32 (facts §3.5)
+
+
+def _mla_gate(p, x, st, spec):
+    import jax
+    import jax.numpy as jnp
+
+    gp = x["attention.g_proj"]
+    return jax.nn.sigmoid(gp.astype(jnp.float32)).astype(gp.dtype)  # fp32 then cast (facts §4.6)
+
+
+# (layer kind | "*", site) -> fn(p, x, st, spec). Sites with no computation of their own (`input`; `attention`, which
+# *is* the o_proj/dense output; a dense layer's `mlp`, which is `mlp.down_proj`) are absent: see parity.isolated.
+ISOLATED_SITES = {
+    ("*", "input_layernorm"): _norm("input", "input_layernorm"),
+    **{("kda", f"attention.{n}"): _lin("input_layernorm", n) for n in
+       ("q_proj", "k_proj", "v_proj", "f_proj", "b_proj", "g_proj")},
+    **{("kda", f"attention.{n}_conv1d"): _kda_conv(n) for n in "qkv"},
+    ("kda", "attention.conv_state"): _kda_conv_state,
+    ("kda", "attention.gate"): _gate,
+    ("kda", "attention.beta"): _beta,
+    ("kda", "attention.core"): lambda p, x, st, spec: _kda_kernel(p, x, st, spec)[0],
+    ("kda", "attention.state"): lambda p, x, st, spec: _kda_kernel(p, x, st, spec)[1],
+    ("kda", "attention.o_norm"): _kda_o_norm,
+    ("kda", "attention.o_proj"): _lin("attention.o_norm", "o_proj"),
+    **{("mla", f"attention.{n}"): _lin("input_layernorm", n) for n in
+       ("q_a_proj", "q_proj", "kv_a_proj_with_mqa", "g_proj")},
+    ("mla", "attention.q_a_layernorm"): _norm("attention.q_a_proj", "q_a_layernorm", mla=True),
+    ("mla", "attention.q_b_proj"): _lin("attention.q_a_layernorm", "q_b_proj"),
+    ("mla", "attention.kv_a_layernorm"): _norm("attention.kv_a_proj_with_mqa", "kv_a_layernorm", mla=True),
+    ("mla", "attention.kv_b_proj"): _lin("attention.kv_a_layernorm", "kv_b_proj"),
+    ("mla", "attention.core"): _mla_core,
+    ("mla", "attention.gate"): _mla_gate,
+    ("mla", "attention.dense:in"): _dense_in,
+    ("mla", "attention.dense"): _lin("attention.dense:in", "dense"),
+    ("*", "post_attention_layernorm"): _post_norm,
+    ("*", "mlp.gate_proj"): _lin("post_attention_layernorm", "gate_proj", "mlp"),
+    ("*", "mlp.up_proj"): _lin("post_attention_layernorm", "up_proj", "mlp"),
+    ("*", "mlp.down_proj"): _down,
+    ("*", "mlp.gate.logits"): _router_logits,
+    ("*", "mlp.gate.topk_idx"): _topk_idx,
+    ("*", "mlp.gate.topk_weight"): _topk_weight,
+    ("*", "mlp.routed"): _routed,
+    ("*", "mlp.shared_experts"): _shared,
+    ("*", "mlp"): _moe_sum,  # only asked for MoE layers (parity.isolated)
+    ("*", "output"): _output,
+}
+
+
+def _isolated(p, x, st, site, spec):
+    fn = ISOLATED_SITES.get((spec.kind, site)) or ISOLATED_SITES[("*", site)]
+    return fn(p, x, st, spec)
+
+
+def _make_isolated_jit():
+    import jax
+
+    return jax.jit(_isolated, static_argnames=("site", "spec"))
+
+
+class _LazyJit:
+    """jax imported on first use, as everywhere in this module (the target must import without jax)."""
+
+    fn = None
+
+    def __call__(self, *a, **kw):
+        if self.fn is None:
+            self.fn = _make_isolated_jit()
+        return self.fn(*a, **kw)
+
+
+_isolated_jit = _LazyJit()

@@ -1,0 +1,210 @@
+"""`isolated` replay (DESIGN §6): every sub-module of a layer fed the *dumped* tensors it consumed.
+
+In `layer` mode a 1-ULP difference in `input_layernorm` reaches `q_proj` and shows up there as many ULPs at
+cancellation-small elements; here `q_proj` is fed the dumped `input_layernorm`, so each record measures that one
+module's own error and a bug is pinned to exactly the site that has it (its neighbours are fed the reference's
+tensors, not the buggy ones).
+
+What each site is fed (`feeds`) follows the dataflow graph of `parity.points` (`_KDA_INPUTS` / `_MLA_INPUTS` /
+`_MLP_INPUTS`), with these refinements:
+- decode steps also get the dumped state of *earlier* steps (`Target.submodule(state=...)`): KDA conv histories and
+  recurrent state of the previous step; MLA `attention.core` the dumped `kv_b_proj` / `kv_a_proj_with_mqa` of every
+  earlier token (the reference caches expanded per-head K/V, facts §9), so decode `core` is isolated too;
+- the routing sites are fed the reference's choice: `mlp.gate.topk_idx` ← dumped logits (+ the checkpoint's
+  expert_bias), judged as a routing comparison (`replay.routing_records`, sets per token, near-ties benign);
+  `mlp.gate.topk_weight` ← dumped logits + dumped ids; `mlp.routed` ← dumped ids and weights;
+- `input`, `attention` (it *is* the `o_proj` / `dense` output) and a dense layer's `mlp` (it is `mlp.down_proj`)
+  have no computation of their own: they are recorded as `skipped` with that reason (`PASS_THROUGH`), never
+  compared against themselves.
+Tolerances are looked up with mode "isolated" (`RulesTable.rule_for(site, "isolated", ...)`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from parity.points import Point, sites_for_config
+
+MODE = "isolated"
+
+# Sites that are another site's tensor under a second name, or the fed input itself.
+PASS_THROUGH = {
+    "input": "the layer's input is what the layer is fed, not computed",
+    "attention": "the attention block output is the `attention.o_proj` / `attention.dense` output itself",
+    "mlp": "a dense layer's `mlp` output is the `mlp.down_proj` output itself",  # MoE `mlp` = routed + shared
+}
+
+_KDA_FEEDS = {
+    "input_layernorm": ("input",),
+    **{f"attention.{p}": ("input_layernorm",) for p in ("q_proj", "k_proj", "v_proj", "f_proj", "b_proj", "g_proj")},
+    "attention.q_conv1d": ("attention.q_proj",),
+    "attention.k_conv1d": ("attention.k_proj",),
+    "attention.v_conv1d": ("attention.v_proj",),
+    "attention.conv_state": ("attention.q_proj", "attention.k_proj", "attention.v_proj"),
+    "attention.gate": ("attention.f_proj",),
+    "attention.beta": ("attention.b_proj",),
+    "attention.core": ("attention.q_conv1d", "attention.k_conv1d", "attention.v_conv1d", "attention.gate",
+                       "attention.beta"),
+    "attention.state": ("attention.q_conv1d", "attention.k_conv1d", "attention.v_conv1d", "attention.gate",
+                        "attention.beta"),
+    "attention.o_norm": ("attention.core", "attention.g_proj"),
+    "attention.o_proj": ("attention.o_norm",),
+}
+_MLA_FEEDS = {
+    "input_layernorm": ("input",),
+    "attention.q_a_proj": ("input_layernorm",),
+    "attention.q_a_layernorm": ("attention.q_a_proj",),
+    "attention.q_b_proj": ("attention.q_a_layernorm",),
+    "attention.q_proj": ("input_layernorm",),
+    "attention.kv_a_proj_with_mqa": ("input_layernorm",),
+    "attention.kv_a_layernorm": ("attention.kv_a_proj_with_mqa",),
+    "attention.kv_b_proj": ("attention.kv_a_layernorm",),
+    "attention.g_proj": ("input_layernorm",),
+    "attention.gate": ("attention.g_proj",),
+    "attention.dense:in": ("attention.core", "attention.gate"),
+    "attention.dense": ("attention.dense:in",),
+}
+_MLP_FEEDS = {
+    "post_attention_layernorm": ("input", "attention"),
+    "mlp.gate_proj": ("post_attention_layernorm",),
+    "mlp.up_proj": ("post_attention_layernorm",),
+    "mlp.down_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.gate.logits": ("post_attention_layernorm",),
+    "mlp.gate.topk_idx": ("mlp.gate.logits",),
+    "mlp.gate.topk_weight": ("mlp.gate.logits", "mlp.gate.topk_idx"),
+    "mlp.routed": ("post_attention_layernorm", "mlp.gate.topk_idx", "mlp.gate.topk_weight"),
+    "mlp.shared_experts": ("post_attention_layernorm",),
+    "output": ("input", "attention", "mlp"),
+}
+# Dumped tensors of earlier decode steps a site needs (see `Target.submodule`).
+_KDA_STATE = {"attention.q_conv1d": ("attention.conv_state",), "attention.k_conv1d": ("attention.conv_state",),
+              "attention.v_conv1d": ("attention.conv_state",), "attention.conv_state": ("attention.conv_state",),
+              "attention.core": ("attention.state",), "attention.state": ("attention.state",)}
+_MLA_HISTORY = ("attention.kv_b_proj", "attention.kv_a_proj_with_mqa")
+
+
+def feeds(kind: str, moe: bool, q_lora: bool, site: str) -> tuple[str, ...] | None:
+    """Dumped sites (same phase/step) `site` is fed in isolated mode; None for a pass-through site."""
+    if site in PASS_THROUGH and not (site == "mlp" and moe):
+        return None
+    if site == "mlp":
+        return ("mlp.routed", "mlp.shared_experts")
+    if kind == "mla" and site == "attention.core":
+        q = ("attention.q_b_proj",) if q_lora else ("attention.q_proj",)
+        return q + _MLA_HISTORY
+    table = _KDA_FEEDS if kind == "kda" else _MLA_FEEDS
+    out = table.get(site) or _MLP_FEEDS.get(site)
+    if out is None:
+        raise KeyError(f"isolated replay: no feed defined for site {site!r} of a {kind} layer")
+    return out
+
+
+def isolated_sites(cfg, i: int) -> tuple[str, ...]:
+    """Sites of layer i in execution order, as the layer replay lists them (MLA adds `attention.dense:in`)."""
+    return sites_for_config(cfg, i) + (("attention.dense:in",) if cfg.layer_kind(i) == "mla" else ())
+
+
+def replay_isolated(ctx, i: int) -> list[dict]:
+    """Isolated replay of layer i over the dump's prefill and decode steps: one record per site per step, made by
+    `replay.compare_point` (or `replay.routing_records` for the top-k ids), with `ctx.mode == "isolated"`."""
+    from parity.replay import _steps, compare_point
+
+    cfg = ctx.dump.config
+    kind, moe = cfg.layer_kind(i), cfg.is_moe(i)
+    hf = ctx.ckpt.hf_tensors(i)
+    ctx.target.load_layer(i, hf)
+    bias = hf.get(f"model.layers.{i}.mlp.gate.expert_bias")
+    bias = None if bias is None else np.asarray(bias, np.float64)
+    supported = "isolated" in getattr(ctx.target, "capabilities", ())
+    P = int(ctx.dump.prompt_len)
+    records: list[dict] = []
+    prev: tuple[str, int] | None = None  # the previous (phase, step): whose dumped state a decode step continues
+    history: list[tuple[str, int]] = []  # every earlier (phase, step): MLA K/V of all earlier tokens
+    try:
+        for phase, step in _steps(ctx.dump):
+            T = _step_len(ctx.dump, phase, step, i)
+            positions = np.arange(T) if phase == "prefill" else np.arange(P + step - 1, P + step - 1 + T)
+            outs: dict[str, np.ndarray] = {}
+            for site in isolated_sites(cfg, i):
+                pt = Point(phase, step, i, site)
+                need = feeds(kind, moe, cfg.q_lora, site)
+                if need is None:
+                    records.append(_skip(pt, f"isolated: {PASS_THROUGH[site]}"))
+                    continue
+                if not supported:
+                    records.append(_skip(pt, f"target {ctx.target.name} has no isolated sub-modules"))
+                    continue
+                if not ctx.dump.has(pt):  # compare_point says skipped (declared unavailable) or missing
+                    records.append(compare_point(ctx, pt, None))
+                    continue
+                inputs, why = _read(ctx.dump, [Point(phase, step, i, s) for s in need])
+                state = None
+                if why is None and phase == "decode":
+                    state, why = _state(ctx.dump, kind, site, i, prev, history)
+                if why is not None:
+                    records.append(_skip(pt, f"isolated: {why}"))
+                    continue
+                if kind == "mla" and site == "attention.core":
+                    inputs["positions"] = positions
+                test = ctx.target.submodule(i, site, inputs, state)
+                if test is not None:
+                    outs[site] = np.asarray(test)
+                if site == "mlp.gate.topk_idx" and test is not None and bias is not None:
+                    from parity.replay import routing_records
+
+                    rec, _ = routing_records(ctx, pt, test, outs.get("mlp.gate.logits"), bias, cfg)
+                else:
+                    rec = compare_point(ctx, pt, test)
+                rec["isolated_inputs"] = list(need)
+                records.append(rec)
+            prev = (phase, step)
+            history.append((phase, step))
+    finally:
+        ctx.target.unload_layer(i)
+    return records
+
+
+def _skip(pt: Point, reason: str) -> dict:
+    return {"phase": pt.phase, "step": pt.step, "layer": pt.layer, "site": pt.site, "status": "skipped",
+            "reason": reason}
+
+
+def _step_len(dump, phase: str, step: int, i: int) -> int:
+    p = Point(phase, step, i, "input")
+    if dump.has(p):
+        return int(dump.read(p).shape[1])
+    return int(dump.prompt_len) if phase == "prefill" else 1
+
+
+def _read(dump, points: list[Point]) -> tuple[dict[str, np.ndarray], str | None]:
+    out = {}
+    for p in points:
+        if not dump.has(p):
+            return out, f"its input {p.key()} is not in the dump"
+        out[p.site] = dump.read(p)
+    return out, None
+
+
+def _state(dump, kind: str, site: str, i: int, prev, history) -> tuple[dict | None, str | None]:
+    """Dumped tensors of earlier steps this decode-step site continues from (None when it needs none)."""
+    if kind == "kda":
+        names = _KDA_STATE.get(site)
+        if not names:
+            return None, None
+        if prev is None:
+            return None, "a decode step with no earlier step in the dump"
+        return _read(dump, [Point(prev[0], prev[1], i, s) for s in names])
+    if site != "attention.core":
+        return None, None
+    out = {}
+    for s in _MLA_HISTORY:
+        parts, why = [], None
+        for ph, st in history:
+            got, why = _read(dump, [Point(ph, st, i, s)])
+            if why:
+                return None, why
+            parts.append(got[s])
+        if not parts:
+            return None, "a decode step with no earlier step in the dump"
+        out[s] = np.concatenate(parts, axis=1)
+    return out, None
