@@ -1,0 +1,20 @@
+"""Smoke test of parity.bench: one JAX child and one twin child on the bundled tiny checkpoint, and the table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from parity.bench import run_child, table
+
+CKPT = str(Path(__file__).resolve().parents[1] / "dumps" / "ckpt" / "tiny")
+
+
+def test_bench_children_and_table():
+    j = run_child("jax", {"ckpt": CKPT, "layer": 3, "Ts": [8], "repeats": 1})
+    t = run_child("torch", {"ckpt": CKPT, "layers": [3], "Ts": [8], "repeats": 1})
+    assert j[0]["kind"] == "mla" and j[0]["moe"] and j[0]["warm"]["min"] > 0 and j[0]["peak_rss_mb"] > 0
+    assert t[0]["layer"] == 3 and t[0]["warm"]["min"] > 0
+    res = {"jax": [dict(j[0], persistent_cache="empty")], "torch": t, "dump": [], "loadavg_start": [0, 0, 0],
+           "ncpu": 2}
+    out = table(res)
+    assert "| 3 | MLA+MoE | 8 |" in out, out
