@@ -1,0 +1,77 @@
+"""No false alarms: the *correct* reference target must pass the replay with the default tolerance table on every
+bundled dump and on dumps of checkpoints made with other random seeds (issue "Replay and report").
+
+Sweep: seeds 1..10, presets alternating tiny (q-LoRA, KKKMKKKM) / tiny-flash (no q-LoRA, clamp, KKKKKMMM), each a
+fresh `make_checkpoint`, a twin dump (24-token prompt — recurrent KDA path — and 2 decode steps) and a layer-mode
+replay. One seed costs ~30-40 s on this machine (dump ~15 s + replay ~15 s), so the default run takes seeds 1-3;
+`LING3_FULL_SWEEP=1` runs all 10. `LING3_SWEEP_DTYPE=bf16` sweeps bf16 dumps (default fp32: the fp32 tier).
+
+Measured once with the calibrated table of commit 7c79a66 (`LING3_FULL_SWEEP=1 python -m pytest
+tests/test_no_false_alarms.py -q -n 2`, 6 min 16 s on 2 busy cores): seeds 1-4 and 6-10 pass; seed 5 (tiny, fp32)
+raises a false alarm at prefill/L01/attention.core (12890 ULP at one element, rel-L2 3.6e-7, and o_norm after it);
+bundled dumps: tiny-fp32 and tiny-flash-fp32 pass, tiny-bf16 fails at decode/S4/L06/attention.state (306 ULP,
+rel-L2 5e-3), tiny-flash-bf16 at prefill/L01/attention.o_proj (132 ULP, rel-L2 1.3e-2). Those are tolerance-table
+findings for the calibration owner; the tests stay red on them on purpose.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FULL = os.environ.get("LING3_FULL_SWEEP") == "1"
+SEEDS = list(range(1, 11)) if FULL else [1, 2, 3]
+DTYPE = "bfloat16" if os.environ.get("LING3_SWEEP_DTYPE", "fp32") in ("bf16", "bfloat16") else "float32"
+PROMPT_LEN, DECODE_STEPS = 24, 2
+
+
+def _failures(report: dict, n: int = 5) -> str:
+    bad = [p for p in report["points"] if p["status"] in ("fail", "missing")]
+    lines = [f"{p['phase']}/S{p.get('step', 0)}/L{p.get('layer')}/{p['site']}: {p['status']} "
+             f"max_ulp={p.get('max_ulp')} rel_l2={p.get('rel_l2')}" for p in bad[:n]]
+    return f"{len(bad)} failing point(s), counts {report['counts']}; first: " + "; ".join(lines)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_correct_target_passes_random_seed(seed, tmp_path):
+    from parity.config import Ling3Config
+    from parity.replay import run_replay
+    from parity.torch_ref.ckpt import make_checkpoint
+    from parity.torch_ref.dump import DumpOptions, dump_checkpoint
+    from parity.torch_ref.prompts import builtin_ids
+
+    preset = "tiny" if seed % 2 else "tiny-flash"
+    ckpt = make_checkpoint(tmp_path / "ckpt", preset, seed=seed, dtype="bfloat16")
+    cfg = Ling3Config.from_pretrained_dir(ckpt, strict=False)
+    dump = tmp_path / "d.h5"
+    dump_checkpoint(ckpt, dump, builtin_ids(cfg.vocab_size, PROMPT_LEN, seed),
+                    DumpOptions(dtype=DTYPE, decode_steps=DECODE_STEPS, progress=False, seed=seed))
+    report = run_replay(dump, ckpt)
+    assert report["counts"].get("pass", 0) > 100, report["counts"]  # the replay really compared something
+    assert report["passed"], f"seed {seed} ({preset}, {DTYPE}): false alarm — {_failures(report)}"
+
+
+BUNDLED = sorted(glob.glob(os.path.join(ROOT, "dumps", "*.h5")))
+
+
+@pytest.mark.skipif(not BUNDLED, reason="no bundled dumps in dumps/*.h5")
+@pytest.mark.parametrize("dump", BUNDLED, ids=os.path.basename)
+def test_correct_target_passes_bundled_dump(dump):
+    from parity.replay import run_replay
+
+    report = run_replay(dump)  # checkpoint found by the dump's fingerprint
+    assert report["counts"].get("pass", 0) > 100, report["counts"]
+    assert report["passed"], f"{os.path.basename(dump)}: false alarm — {_failures(report)}"
+
+
+def test_sweep_detects_a_broken_subject(tmp_path):
+    """The sweep's assertion can fail: the same replay with a bug injected does not pass (perturbation check)."""
+    from parity.replay import run_replay
+    from parity.targets.mutants import MutantTarget
+
+    dump = BUNDLED[0] if BUNDLED else pytest.skip("no bundled dump")
+    report = run_replay(dump, target=MutantTarget("kda_conv_without_silu"), layers=[0])
+    assert not report["passed"]
