@@ -17,7 +17,21 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import jax
+
+def _mirror_torch_bf16_rounding() -> None:
+    """Keep every bf16 rounding the code asks for. XLA's default `xla_allow_excess_precision=true` drops
+    f32→bf16→f32 round trips (e.g. the KDA core cast to bf16 before o_norm, `silu(g)·u` before down_proj), so the
+    JAX reference would skip roundings torch does: measured on the bundled tiny-flash bf16 dump, layer 1 o_norm
+    differed by up to 0.33 (a near-zero head row amplified by the norm) with it on, by 1 bf16 ULP with it off.
+    XLA reads XLA_FLAGS when its backend starts, so this must run before the first computation."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_allow_excess_precision" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_allow_excess_precision=false").strip()
+
+
+_mirror_torch_bf16_rounding()
+
+import jax  # noqa: E402
 
 
 def _enable_compilation_cache() -> str | None:
