@@ -231,9 +231,10 @@ SITE_CLASSES = {
 
 
 def site_class(site: str, kind: str) -> str:
-    for cls, sites in SITE_CLASSES.items():
-        if site in sites or f"{site}@{kind}" in sites:
-            return cls
+    for name in (f"{site}@{kind}", site):  # kind-qualified entries first (MLA `attention.gate` is not KDA's)
+        for cls, sites in SITE_CLASSES.items():
+            if name in sites:
+                return cls
     return "other"
 
 
