@@ -498,6 +498,9 @@ class MutantTarget(ReferenceTarget):
             from parity.jax_ling3 import layer
 
             patches = self.mutation.patches()
+            if not patches:  # weight-layout bugs only: the reference's own compiled layer is exactly right
+                self._jit = layer.decoder_layer_jit
+                return self._jit
 
             def mutated_layer(p, h, positions, spec, state=None, forced_idx=None):  # fresh object per instance
                 with patched(patches):
