@@ -23,7 +23,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = os.environ.get("LING3_FULL_SWEEP") == "1"
-SEEDS = list(range(1, 11)) if FULL else [1, 2, 3]
+# Out of sample: not the bundled checkpoints' seed (0) nor the calibration corpus' seeds (1, 2, tools/calibrate.py).
+SEEDS = list(range(11, 21)) if FULL else [11, 12, 13]
 DTYPE = "bfloat16" if os.environ.get("LING3_SWEEP_DTYPE", "fp32") in ("bf16", "bfloat16") else "float32"
 PROMPT_LEN, DECODE_STEPS = 24, 2
 
