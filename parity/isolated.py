@@ -6,7 +6,7 @@ module's own error and a bug is pinned to exactly the site that has it (its neig
 tensors, not the buggy ones).
 
 What each site is fed (`feeds`) follows the dataflow graph of `parity.points` (`_KDA_INPUTS` / `_MLA_INPUTS` /
-`_MLP_INPUTS`), with these refinements:
+`MLP_INPUTS`), with these refinements:
 - decode steps also get the dumped state of *earlier* steps (`Target.submodule(state=...)`): KDA conv histories and
   recurrent state of the previous step; MLA `attention.core` the dumped `kv_b_proj` / `kv_a_proj_with_mqa` of every
   earlier token (the reference caches expanded per-head K/V, facts §9), so decode `core` is isolated too;
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from parity.points import Point, sites_for_config
+from parity.points import MLP_INPUTS, Point, sites_for_config
 
 MODE = "isolated"
 
@@ -64,18 +64,7 @@ _MLA_FEEDS = {
     "attention.dense:in": ("attention.core", "attention.gate"),
     "attention.dense": ("attention.dense:in",),
 }
-_MLP_FEEDS = {
-    "post_attention_layernorm": ("input", "attention"),
-    "mlp.gate_proj": ("post_attention_layernorm",),
-    "mlp.up_proj": ("post_attention_layernorm",),
-    "mlp.down_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.gate.logits": ("post_attention_layernorm",),
-    "mlp.gate.topk_idx": ("mlp.gate.logits",),
-    "mlp.gate.topk_weight": ("mlp.gate.logits", "mlp.gate.topk_idx"),
-    "mlp.routed": ("post_attention_layernorm", "mlp.gate.topk_idx", "mlp.gate.topk_weight"),
-    "mlp.shared_experts": ("post_attention_layernorm",),
-    "output": ("input", "attention", "mlp"),
-}
+_MLP_FEEDS = MLP_INPUTS  # the MLP sites are fed exactly what they are computed from
 # Dumped tensors of earlier decode steps a site needs (see `Target.submodule`).
 _KDA_STATE = {"attention.q_conv1d": ("attention.conv_state",), "attention.k_conv1d": ("attention.conv_state",),
               "attention.v_conv1d": ("attention.conv_state",), "attention.conv_state": ("attention.conv_state",),

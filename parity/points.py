@@ -203,7 +203,7 @@ _MLA_INPUTS = {
     "attention.dense": ("attention.dense:in", "attention.core", "attention.gate"),
     "attention": ("attention.dense",),
 }
-_MLP_INPUTS = {
+MLP_INPUTS = {  # also the isolated-mode feeds of the MLP sites (parity/isolated.py)
     "post_attention_layernorm": ("input", "attention"),
     "mlp.gate_proj": ("post_attention_layernorm",),
     "mlp.up_proj": ("post_attention_layernorm",),
@@ -222,7 +222,7 @@ def site_inputs(kind: str, moe: bool, site: str) -> tuple[str, ...]:
     if site == "mlp":
         return ("mlp.routed", "mlp.shared_experts") if moe else ("mlp.down_proj",)
     table = _KDA_INPUTS if kind == "kda" else _MLA_INPUTS
-    return table.get(site) or _MLP_INPUTS.get(site, ())
+    return table.get(site) or MLP_INPUTS.get(site, ())
 
 
 def point_inputs(cfg, point: Point) -> list[Point]:
