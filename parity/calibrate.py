@@ -19,9 +19,10 @@ For the fp32 tier we also record `rtol_floor_needed`: the smallest floor with wh
 
 Proposal (`propose_rules`, documented in the TOML header):
   bf16 grid, layer/forced : floor F = 1 ULP of the row RMS (the row's own resolution — a stated choice, not fitted);
-                            max_ulps = nice(S · worst p99.9 effective ULP), allowed_fraction = 0.001, hard_ulps =
-                            nice(S · worst max effective ULP); every corpus point then passes by construction (a point
-                            with p99.9 ≤ M has ≤ floor(0.001·n) elements above M).
+                            max_ulps = nice(S · worst p99.9 effective ULP), allowed_fraction = 0.001, hard_ulps off
+                            (a corpus maximum is a tail statistic that grows with the corpus — see propose_rule);
+                            every corpus point then passes by construction (a point with p99.9 ≤ M has
+                            ≤ floor(0.001·n) elements above M).
   bf16 grid, free         : same floor; statistical: max_ulps = nice(S · worst p99), allowed_fraction = 0.01,
                             hard_ulps off (drift through layers is not bounded per element).
   fp32 tier               : rtol 1e-5 elementwise (DESIGN §5), except elements within floor F fp32-ULPs of their row
@@ -391,6 +392,7 @@ class ProposedRule:
 
 
 HARD_OFF_ABOVE = 16384  # a hard limit this high only flags sign flips of near-zero elements: leave it off
+HARD_PER_ELEMENT_OFF = True  # see propose_rule
 
 
 def propose_rule(points: Sequence[dict], safety: float = SAFETY) -> tuple[ProposedRule, int]:
@@ -421,8 +423,13 @@ def propose_rule(points: Sequence[dict], safety: float = SAFETY) -> tuple[Propos
     over, over_at = _worst(list(points), lambda p: p["by_floor"][str(F)]["frac_over"][str(M)])
     allowed = max(frac_default, float(nice(1000 * safety * over)) / 1000)
     mx, mx_at = worst("max", F)
+    # No per-element hard limit in the propagating modes (layer/forced/free): the worst single element of a corpus
+    # is a tail statistic that keeps growing with the corpus. Measured: the 735 layer-mode o_norm points of the
+    # 4-seed corpus peak at 8 row-RMS ULPs raw, the out-of-sample bundled tiny-flash bf16 dump (seed 0) reaches 13
+    # on one KDA head row 13x below the tensor's RMS (a near-zero recurrence output, normalised by o_norm). Systematic
+    # errors are caught by the floor + allowed-fraction rule; per-element limits belong to the isolated mode.
     H = int(max(MINIMUMS["hard_ulps"], nice(safety * mx)))
-    hard = "off" if mode == "free" or H > HARD_OFF_ABOVE else H
+    hard = "off" if HARD_PER_ELEMENT_OFF or H > HARD_OFF_ABOVE else H
     fields = {"floor_ulps": F, "max_ulps": M, "allowed_fraction": min(allowed, 1.0), "hard_ulps": hard,
               "rtol": "off", "atol": "off", "compare_dtype": cmp_dtype}
     basis = (f"worst {q.replace('floor_needed_', '')} of |Δ|/ulp(row RMS): {need:.4g} at {need_at}; at floor {F}: "
@@ -614,8 +621,9 @@ def toml_header(command: str, date: str, mach: str, spec: CorpusSpec, safety: fl
         f"Rule = observed worst case over the corpus × safety factor {safety:g}, rounded up to 1, 1.5, 2, 3, 4, 6, 8, ...:",
         f"- bf16 grid (bf16 runs; their fp32 tensors compared after rounding to bf16): floor_ulps = {BF16_FLOOR} ULP of",
         "  the row RMS (the row's own resolution; a stated choice, not fitted). layer/forced/other modes:",
-        f"  max_ulps = S·worst p99.9, allowed_fraction = {LAYER_FRACTION}, hard_ulps = S·worst max (effective ULP after",
-        f"  the floor). free: max_ulps = S·worst p99, allowed_fraction = {FREE_FRACTION}, hard_ulps off (drift).",
+        f"  max_ulps = S·worst p99.9, allowed_fraction = {LAYER_FRACTION}, hard_ulps off (the worst single element of a",
+        f"  finite corpus is a tail statistic that grows with the corpus; per-element limits: isolated mode).",
+        f"  free: max_ulps = S·worst p99, allowed_fraction = {FREE_FRACTION}, hard_ulps off (drift).",
         f"  Minimums: max_ulps ≥ {MINIMUMS['max_ulps']}, hard_ulps ≥ {MINIMUMS['hard_ulps']}.",
         f"- fp32 tier (fp32 runs): per element |Δ| ≤ rtol·|ref| with rtol = {RTOL_FP32:g} (DESIGN §5), except",
         "  elements within floor_ulps fp32-ULPs of their row RMS: after cancellation a near-zero element carries the",
