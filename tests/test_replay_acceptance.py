@@ -32,9 +32,14 @@ def _edit(path, h5path: str, fn) -> None:
     seal_dump(path)
 
 
-@pytest.mark.parametrize("dump", ["tiny-fp32.h5", "tiny-bf16.h5"])
-def test_edited_site_is_the_first_divergence_and_its_source(dump, tmp_path):
-    """One site of one layer off by 3 % in three channels: that point, and nothing before it, fails."""
+@pytest.mark.parametrize("dump,factor", [("tiny-fp32.h5", 1.03), ("tiny-bf16.h5", 1.15)])
+def test_edited_site_is_the_first_divergence_and_its_source(dump, factor, tmp_path):
+    """One site of one layer off by a few percent in three channels: that point, and nothing before it, fails.
+
+    fp32 (fp32 tier, 1e-5): a 3 % edit. bf16 in layer mode: the calibrated floor of a projection is 16 ULPs of the
+    row RMS (2x the measured teacher-forced noise, which includes upstream 1-ULP differences amplified on
+    ill-conditioned rows) — 6-12 % of the row's scale — so a 3 % edit is below the resolution of bf16 layer mode and
+    the bf16 case edits 15 %; `--parity-mode isolated` is the finer instrument there."""
     layers = [0, 1, 2, 3]
     clean = run_replay(DUMPS / dump, layers=layers)
     assert clean["passed"], clean["first_divergence"]
@@ -43,7 +48,7 @@ def test_edited_site_is_the_first_divergence_and_its_source(dump, tmp_path):
 
     def bump(a):
         a = a.copy()
-        a[..., [5, 17, 40]] *= 1.03
+        a[..., [5, 17, 40]] *= factor
         return a
 
     _edit(edited, "/prefill/L02/attention.o_proj", bump)
