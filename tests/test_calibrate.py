@@ -76,16 +76,16 @@ def test_propose_layer_rule_from_worst_point():
            _pt(need_p999=10, frac_over2=0.0004, max_eff=40, corpus="b", site="attention.dense:in")]
     rule, F = C.propose_rule(pts)
     # floor: worst p99.9 need 10 × safety 2 = 20 → candidate 32; fraction 0.0004·2 = 0.0008 → minimum 0.001;
-    # hard: 40 × 2 = 80 → nice 96.
+    # hard: off in the propagating modes (a corpus maximum is a tail statistic; see propose_rule).
     assert F == 32
     assert rule.fields["floor_ulps"] == 32 and rule.fields["max_ulps"] == 2
-    assert rule.fields["allowed_fraction"] == 0.001 and rule.fields["hard_ulps"] == 96
+    assert rule.fields["allowed_fraction"] == 0.001 and rule.fields["hard_ulps"] == "off"
     assert rule.sites == ("attention.core", "attention.dense:in") and rule.cls == "attn_core"
     assert "b:prefill/L00/attention.dense:in" in rule.basis  # names the worst point
     # Perturb the worst point: the rule follows the measurement (it is not a constant).
     pts[1] = _pt(need_p999=40, frac_over2=0.003, max_eff=1000, corpus="b")
     rule2, F2 = C.propose_rule(pts)
-    assert F2 == 128 and rule2.fields["allowed_fraction"] == 0.006 and rule2.fields["hard_ulps"] == 2048
+    assert F2 == 128 and rule2.fields["allowed_fraction"] == 0.006 and rule2.fields["hard_ulps"] == "off"
     pts[1] = _pt(max_eff=20000)  # only sign flips of near-zero elements that high: the hard limit is left off
     assert C.propose_rule(pts)[0].fields["hard_ulps"] == "off"
 

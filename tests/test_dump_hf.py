@@ -91,6 +91,7 @@ def test_hooks_change_nothing(tmp_path):
         pos = torch.arange(80)
         plain = lm.model(input_ids=torch.as_tensor(IDS_80), position_ids=pos[None], cache_position=pos,
                          attention_mask=torch.ones(1, 80, dtype=torch.long), use_cache=True).logits
+    lm.release()  # leave no fla stand-ins installed for later tests in this process
     with DumpReader(out) as d:
         dumped = d.read(_pt("prefill", 0, None, "logits"))
     # the dump holds lm_head's own output (model dtype); the model returns it upcast with .float() (facts §6):

@@ -229,93 +229,96 @@ def dump_checkpoint(
     cpu_kernels = opts.cpu_kernels if opts.cpu_kernels is not None else opts.device == "cpu"
     loaded = load_model(ckpt_dir, opts.runtime, dtype=DTYPES[opts.dtype], device=opts.device,
                         cpu_kernels=cpu_kernels and opts.runtime == "remote")
-    model = loaded.model
-    model.eval()
-    device = next(model.parameters()).device
-    guards = dict(loaded.guards)
-    t_ids = torch.as_tensor(ids, device=device)
-    if opts.causality_check:
-        guards["causality"] = causality_guard(model, t_ids)
-    guards["decode_positions"] = "explicit position_ids and cache_position at every decode step"
-    guards["batch"] = f"{ids.shape[0]} sequence(s) of equal length {ids.shape[1]} (no padding)"
-    t_load = time.perf_counter() - t0
+    try:
+        model = loaded.model
+        model.eval()
+        device = next(model.parameters()).device
+        guards = dict(loaded.guards)
+        t_ids = torch.as_tensor(ids, device=device)
+        if opts.causality_check:
+            guards["causality"] = causality_guard(model, t_ids)
+        guards["decode_positions"] = "explicit position_ids and cache_position at every decode step"
+        guards["batch"] = f"{ids.shape[0]} sequence(s) of equal length {ids.shape[1]} (no padding)"
+        t_load = time.perf_counter() - t0
 
-    B, T = ids.shape
-    meta = {
-        **_versions(),
-        "runtime": opts.runtime,
-        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
-        "config_json": cfg.to_dict(),
-        "checkpoint_fingerprint": fingerprint_checkpoint(ckpt_dir),
-        "checkpoint_dir": str(ckpt_dir),
-        "device": str(device),
-        "compute_dtype": "bfloat16" if DTYPES[opts.dtype] == torch.bfloat16 else "float32",
-        "seed": opts.seed,
-        "determinism": determinism,
-        "guards": guards,
-        "decode_steps": opts.decode_steps,
-        "decode_mode": "teacher_forced" if opts.continuation_ids is not None else "greedy",
-        "stats_only": opts.stats_only,
-        "layers_dumped": layers,
-        "sites_filter": list(opts.sites) if opts.sites else [],
-        **(extra_meta or {}),
-    }
-    map_name = runtime_map_name(model, "native" if opts.runtime == "native" else "remote")
-    meta["capture_map"] = map_name
+        B, T = ids.shape
+        meta = {
+            **_versions(),
+            "runtime": opts.runtime,
+            "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "config_json": cfg.to_dict(),
+            "checkpoint_fingerprint": fingerprint_checkpoint(ckpt_dir),
+            "checkpoint_dir": str(ckpt_dir),
+            "device": str(device),
+            "compute_dtype": "bfloat16" if DTYPES[opts.dtype] == torch.bfloat16 else "float32",
+            "seed": opts.seed,
+            "determinism": determinism,
+            "guards": guards,
+            "decode_steps": opts.decode_steps,
+            "decode_mode": "teacher_forced" if opts.continuation_ids is not None else "greedy",
+            "stats_only": opts.stats_only,
+            "layers_dumped": layers,
+            "sites_filter": list(opts.sites) if opts.sites else [],
+            **(extra_meta or {}),
+        }
+        map_name = runtime_map_name(model, "native" if opts.runtime == "native" else "remote")
+        meta["capture_map"] = map_name
 
-    t1 = time.perf_counter()
-    with DumpWriter(out_path, meta, force=opts.force) as writer:
-        written: set[Point] = set()
+        t1 = time.perf_counter()
+        with DumpWriter(out_path, meta, force=opts.force) as writer:
+            written: set[Point] = set()
 
-        def sink(point: Point, arr: np.ndarray, attrs: dict) -> None:
-            written.add(point)
-            if opts.stats_only:
-                writer.write_stats(point, point_stats(arr))
-            else:
-                writer.write(point, arr, **attrs)
-
-        cap = Capture(model, cfg, map_name, sink, layers=layers, sites=opts.sites)
-        unavailable: dict[str, str] = {}
-        for i in layers:
-            for site in cap.unavailable_sites(i):
-                if cap.wants(i, site):
-                    unavailable[f"L{i:02d}/{site}"] = f"the {map_name} runtime does not expose {site}"
-        all_tokens = [ids]
-        progress = _progress(opts.progress, (1 + opts.decode_steps) * len(layers))
-        with cap, torch.no_grad():
-            _count_layers(model, cfg, layers, progress, cap)
-            cap.begin("prefill", 0, B, T)
-            pos = torch.arange(T, device=device)
-            out = model(input_ids=t_ids, position_ids=pos[None].expand(B, T), cache_position=pos,
-                        attention_mask=torch.ones(B, T, dtype=torch.long, device=device), use_cache=True)
-            pkv = out.past_key_values
-            _snapshot(cap, sink, written, pkv, cfg, layers, "prefill", 0, opts)
-            logits = out.logits
-            for k in range(1, opts.decode_steps + 1):
-                if opts.continuation_ids is not None:
-                    nxt = torch.full((B, 1), int(opts.continuation_ids[k - 1]), device=device)
+            def sink(point: Point, arr: np.ndarray, attrs: dict) -> None:
+                written.add(point)
+                if opts.stats_only:
+                    writer.write_stats(point, point_stats(arr))
                 else:
-                    nxt = logits[:, -1].float().argmax(-1, keepdim=True)
-                all_tokens.append(to_numpy(nxt).astype(np.int64))
-                p = T + k - 1
-                cap.begin("decode", k, B, 1)
-                out = model(input_ids=nxt, past_key_values=pkv, use_cache=True,
-                            position_ids=torch.full((B, 1), p, device=device),
-                            cache_position=torch.tensor([p], device=device),
-                            attention_mask=torch.ones(B, p + 1, dtype=torch.long, device=device))
-                pkv, logits = out.past_key_values, out.logits
-                _snapshot(cap, sink, written, pkv, cfg, layers, "decode", k, opts)
-        progress.close()
-        missing = [p.key() for s in [("prefill", 0)] + [("decode", k) for k in range(1, opts.decode_steps + 1)]
-                   for p in cap.missing(*s)]
-        for key in missing:
-            unavailable[key] = "hook registered but did not fire"
-        for pattern, reason in sorted(unavailable.items()):
-            writer.mark_unavailable(pattern, reason)
-        writer.write_tokens(np.concatenate(all_tokens, axis=1), T)
-        n_points = len(written)
-    t_fwd = time.perf_counter() - t1
-    return DumpSummary(out_path, n_points, out_path.stat().st_size, t_load, t_fwd, guards, unavailable)
+                    writer.write(point, arr, **attrs)
+
+            cap = Capture(model, cfg, map_name, sink, layers=layers, sites=opts.sites)
+            unavailable: dict[str, str] = {}
+            for i in layers:
+                for site in cap.unavailable_sites(i):
+                    if cap.wants(i, site):
+                        unavailable[f"L{i:02d}/{site}"] = f"the {map_name} runtime does not expose {site}"
+            all_tokens = [ids]
+            progress = _progress(opts.progress, (1 + opts.decode_steps) * len(layers))
+            with cap, torch.no_grad():
+                _count_layers(model, cfg, layers, progress, cap)
+                cap.begin("prefill", 0, B, T)
+                pos = torch.arange(T, device=device)
+                out = model(input_ids=t_ids, position_ids=pos[None].expand(B, T), cache_position=pos,
+                            attention_mask=torch.ones(B, T, dtype=torch.long, device=device), use_cache=True)
+                pkv = out.past_key_values
+                _snapshot(cap, sink, written, pkv, cfg, layers, "prefill", 0, opts)
+                logits = out.logits
+                for k in range(1, opts.decode_steps + 1):
+                    if opts.continuation_ids is not None:
+                        nxt = torch.full((B, 1), int(opts.continuation_ids[k - 1]), device=device)
+                    else:
+                        nxt = logits[:, -1].float().argmax(-1, keepdim=True)
+                    all_tokens.append(to_numpy(nxt).astype(np.int64))
+                    p = T + k - 1
+                    cap.begin("decode", k, B, 1)
+                    out = model(input_ids=nxt, past_key_values=pkv, use_cache=True,
+                                position_ids=torch.full((B, 1), p, device=device),
+                                cache_position=torch.tensor([p], device=device),
+                                attention_mask=torch.ones(B, p + 1, dtype=torch.long, device=device))
+                    pkv, logits = out.past_key_values, out.logits
+                    _snapshot(cap, sink, written, pkv, cfg, layers, "decode", k, opts)
+            progress.close()
+            missing = [p.key() for s in [("prefill", 0)] + [("decode", k) for k in range(1, opts.decode_steps + 1)]
+                       for p in cap.missing(*s)]
+            for key in missing:
+                unavailable[key] = "hook registered but did not fire"
+            for pattern, reason in sorted(unavailable.items()):
+                writer.mark_unavailable(pattern, reason)
+            writer.write_tokens(np.concatenate(all_tokens, axis=1), T)
+            n_points = len(written)
+        t_fwd = time.perf_counter() - t1
+        return DumpSummary(out_path, n_points, out_path.stat().st_size, t_load, t_fwd, guards, unavailable)
+    finally:
+        loaded.release()  # uninstall the fla stand-ins this load installed (the model keeps its bound names)
 
 
 def _snapshot(cap: Capture, sink, written: set, pkv, cfg, layers, phase, step, opts: DumpOptions) -> None:
