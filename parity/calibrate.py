@@ -18,7 +18,8 @@ For the fp32 tier we also record `rtol_floor_needed`: the smallest floor with wh
 |Δ| ≤ floor·ulp(row RMS) or |Δ| ≤ rtol·|ref| (the fp32 tier's per-element check at rtol = 1e-5).
 
 Proposal (`propose_rules`, documented in the TOML header):
-  bf16 grid, layer/forced : floor F = 1 ULP of the row RMS (the row's own resolution — a stated choice, not fitted);
+  bf16 grid, layer/forced : floor F = S · worst p99.9 of |Δ|/ulp(row RMS), rounded up to a candidate floor, at least
+                            BF16_FLOOR (1) ULP of the row RMS;
                             max_ulps = nice(S · worst p99.9 effective ULP), allowed_fraction = 0.001, hard_ulps off
                             (a corpus maximum is a tail statistic that grows with the corpus — see propose_rule);
                             every corpus point then passes by construction (a point with p99.9 ≤ M has
@@ -620,8 +621,8 @@ def toml_header(command: str, date: str, mach: str, spec: CorpusSpec, safety: fl
         "",
         f"Rule = observed worst case over the corpus × safety factor {safety:g}, rounded up to 1, 1.5, 2, 3, 4, 6, 8, ...:",
         f"- bf16 grid (bf16 runs; their fp32 tensors compared after rounding to bf16): floor_ulps = {BF16_FLOOR} ULP of",
-        "  the row RMS (the row's own resolution; a stated choice, not fitted). layer/forced/other modes:",
-        f"  max_ulps = S·worst p99.9, allowed_fraction = {LAYER_FRACTION}, hard_ulps off (the worst single element of a",
+        "  the row RMS at least, else S·worst p99.9 (layer) / p99 (free) of |Δ|/ulp(row RMS). layer/forced/other modes:",
+        f"  max_ulps = {MINIMUMS['max_ulps']}, allowed_fraction = max({LAYER_FRACTION}, S·worst fraction above it), hard_ulps off (the worst single element of a",
         f"  finite corpus is a tail statistic that grows with the corpus; per-element limits: isolated mode).",
         f"  free: max_ulps = S·worst p99, allowed_fraction = {FREE_FRACTION}, hard_ulps off (drift).",
         f"  Minimums: max_ulps ≥ {MINIMUMS['max_ulps']}, hard_ulps ≥ {MINIMUMS['hard_ulps']}.",

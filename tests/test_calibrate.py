@@ -86,7 +86,17 @@ def test_propose_layer_rule_from_worst_point():
     pts[1] = _pt(need_p999=40, frac_over2=0.003, max_eff=1000, corpus="b")
     rule2, F2 = C.propose_rule(pts)
     assert F2 == 128 and rule2.fields["allowed_fraction"] == 0.006 and rule2.fields["hard_ulps"] == "off"
-    pts[1] = _pt(max_eff=20000)  # only sign flips of near-zero elements that high: the hard limit is left off
+
+
+
+def test_hard_limit_method_when_enabled(monkeypatch):
+    """The per-element hard limit (off by default in the propagating modes) still follows the measurement when
+    switched on: S x worst max, rounded up; above HARD_OFF_ABOVE only sign flips of near-zero elements: off."""
+    monkeypatch.setattr(C, "HARD_PER_ELEMENT_OFF", False)
+    pts = [_pt(need_p999=3, frac_over2=0.0001, max_eff=10, corpus="a"),
+           _pt(need_p999=10, frac_over2=0.0004, max_eff=40, corpus="b")]
+    assert C.propose_rule(pts)[0].fields["hard_ulps"] == 96  # 40 x 2 = 80 -> nice 96
+    pts[1] = _pt(max_eff=20000)
     assert C.propose_rule(pts)[0].fields["hard_ulps"] == "off"
 
 

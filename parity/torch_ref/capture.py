@@ -54,7 +54,7 @@ _OFFICIAL_NAMES: list[TapSpec] = [
     _layer("input_layernorm", "input_layernorm"),
     _layer("attention", "attention", index=0),
     _layer("post_attention_layernorm", "post_attention_layernorm"),
-    # KDA (facts §3); ShortConvolution returns (y, cache) in fla's convention, the twin's own conv may return y only
+    # KDA (facts §3); ShortConvolution returns (y, cache) in fla's convention (the twin's own conv too)
     *[_layer(f"attention.{p}", f"attention.{p}", kind="kda") for p in ("q_proj", "k_proj", "v_proj", "f_proj",
                                                                          "b_proj", "g_proj", "o_norm", "o_proj")],
     *[_layer(f"attention.{c}", f"attention.{c}", kind="kda", index=0) for c in ("q_conv1d", "k_conv1d", "v_conv1d")],
