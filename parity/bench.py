@@ -160,13 +160,13 @@ def child_dump(ckpt: str, T: int, out_dir: str, repeats: int, dtype: str = "bflo
             plain.append(time.perf_counter() - t)
     loaded.release()
     del loaded
-    dumps = []
-    sizes = []
+    dumps, sizes, writes = [], [], []
     for r in range(repeats):
         path = Path(out_dir) / f"bench-dump-{r}.h5"
         s = dump_checkpoint(ckpt, path, ids, DumpOptions(dtype=dtype, decode_steps=0, causality_check=False,
                                                          progress=False, force=True))
         dumps.append(s.seconds_forward)
+        writes.append(s.seconds_write)
         sizes.append(path.stat().st_size)
         path.unlink()
     n_layers = cfg.num_hidden_layers
@@ -175,7 +175,9 @@ def child_dump(ckpt: str, T: int, out_dir: str, repeats: int, dtype: str = "bflo
              "dump_forward": _stats(dumps), "ratio_min": min(dumps) / min(plain), "file_mb": size / 2**20,
              "points": s.points, "raw_bytes": s.bytes,
              "bytes_per_token_layer": size / (T * n_layers),
-             "write_mb_per_s_est": (size / 2**20) / max(1e-9, min(dumps) - min(plain)),
+             # the writer's own clock: arrays handed to HDF5 (uncompressed) per second inside it
+             "write_s": _stats(writes), "array_mb": s.array_bytes / 2**20,
+             "write_mb_per_s": (s.array_bytes / 2**20) / max(1e-9, min(writes)),
              "peak_rss_mb": peak_rss_mb(), "loadavg": load_average()}]
 
 
@@ -248,7 +250,8 @@ def table(res: dict) -> str:
         rows.append(f"dump (T={d['T']}, {d['layers']} layers, prefill only): captured forward "
                     f"{d['dump_forward']['min']:.2f}s vs plain {d['plain_forward']['min']:.2f}s = "
                     f"{d['ratio_min']:.2f}x; file {d['file_mb']:.1f} MB = {d['bytes_per_token_layer'] / 1024:.1f} KiB "
-                    f"per token per layer; HDF5 write ≥ {d['write_mb_per_s_est']:.1f} MB/s (file MB / (dump − plain) s: capture time counted as writing)")
+                    f"per token per layer; HDF5 writer {d['write_s']['min']:.2f}s for {d['array_mb']:.1f} MB of arrays = "
+                    f"{d['write_mb_per_s']:.0f} MB/s (lzf + shuffle, incl. final flush and seal)")
     rows.append("")
     rows.append(f"load average start {res['loadavg_start']} end {res.get('loadavg_end')}, {res['ncpu']} CPUs; "
                 f"peak RSS is the child's ru_maxrss minus its RSS after imports")

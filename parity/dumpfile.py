@@ -32,6 +32,7 @@ import json
 import os
 import re
 import struct
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -377,6 +378,9 @@ class DumpWriter:
         self._unavailable: dict[str, str] = {}
         self._tokens = False
         self._closed = False
+        # Time spent inside write()/finish() and the array bytes handed to write(): the HDF5 write rate (bench, §9).
+        self.seconds_writing = 0.0
+        self.array_bytes = 0
         # libver v110: checksummed metadata (readable by HDF5 >= 1.10); the userblock holds the seal (see _seal).
         with _h5_errors(self.tmp_path, "cannot create the temporary dump file"):
             self._f = h5py.File(self.tmp_path, "w", userblock_size=USERBLOCK, libver=("v110", "v110"))
@@ -440,6 +444,7 @@ class DumpWriter:
         if shape_names and len(shape_names.split(",")) != array.ndim:
             raise DumpError(f"{self.path}: {point.key()}: shape_names {shape_names!r} names "
                             f"{len(shape_names.split(','))} dims, the array has shape {array.shape}")
+        t0 = time.perf_counter()
         # (np.ascontiguousarray would turn a 0-d array into 1-d)
         data = np.array(array, order="C", copy=not array.flags.c_contiguous).view(STORAGE[name])
         kw: dict = {}
@@ -451,6 +456,8 @@ class DumpWriter:
         ds.attrs["io"] = io
         ds.attrs["shape_names"] = str(shape_names)
         self._written.add(point)
+        self.seconds_writing += time.perf_counter() - t0
+        self.array_bytes += data.nbytes
 
     def write_stats(self, point: Point, stats: dict) -> None:
         """Statistics-only mode: an empty dataset at `/stats<point path>` whose attrs are `stats` (DESIGN §9)."""
@@ -487,6 +494,7 @@ class DumpWriter:
         """Write the unavailable table, set complete=True, close and rename onto the final path."""
         if self._closed:
             return self.path
+        t0 = time.perf_counter()
         try:
             if not self._tokens:
                 raise DumpError(f"{self.path}: write_tokens() was never called; a dump without tokens is incomplete")
@@ -502,6 +510,7 @@ class DumpWriter:
                 raise DumpError(f"{self.path}: appeared while writing; the finished dump is left at {self.tmp_path} "
                                 "(pass --force to replace)")
             os.replace(self.tmp_path, self.path)
+            self.seconds_writing += time.perf_counter() - t0  # incl. the final flush and the seal
         except BaseException as e:
             if not (isinstance(e, DumpError) and self._closed):
                 self._abort()

@@ -18,3 +18,11 @@ def test_bench_children_and_table():
            "ncpu": 2}
     out = table(res)
     assert "| 3 | MLA+MoE | 8 |" in out, out
+
+
+def test_bench_dump_child_times_the_writer(tmp_path):
+    d = run_child("dump", {"ckpt": CKPT, "T": 8, "out_dir": str(tmp_path), "repeats": 1})[0]
+    # the writer's clock is part of the captured forward; the arrays it was handed are counted uncompressed
+    assert 0 < d["write_s"]["min"] <= d["dump_forward"]["min"]
+    assert d["array_mb"] > 0 and d["write_mb_per_s"] > 0 and d["file_mb"] > 0
+    assert "HDF5 writer" in table({"jax": [], "torch": [], "dump": [d], "loadavg_start": [0, 0, 0], "ncpu": 2})

@@ -54,6 +54,8 @@ class DumpSummary:
     seconds_forward: float  # prefill + decode with capture (incl. writing)
     guards: dict = field(default_factory=dict)
     unavailable: dict = field(default_factory=dict)
+    seconds_write: float = 0.0  # of seconds_forward: inside the HDF5 writer (compression, I/O, final flush + seal)
+    array_bytes: int = 0  # uncompressed bytes of the arrays written (0 for --stats-only)
 
 
 def point_stats(arr: np.ndarray) -> dict:
@@ -316,7 +318,8 @@ def dump_checkpoint(
             writer.write_tokens(np.concatenate(all_tokens, axis=1), T)
             n_points = len(written)
         t_fwd = time.perf_counter() - t1
-        return DumpSummary(out_path, n_points, out_path.stat().st_size, t_load, t_fwd, guards, unavailable)
+        return DumpSummary(out_path, n_points, out_path.stat().st_size, t_load, t_fwd, guards, unavailable,
+                           writer.seconds_writing, writer.array_bytes)
     finally:
         loaded.release()  # uninstall the fla stand-ins this load installed (the model keeps its bound names)
 
