@@ -137,7 +137,8 @@ def child_torch(ckpt: str, layers: list[int], Ts: list[int], repeats: int, dtype
     return out
 
 
-def child_dump(ckpt: str, T: int, out_dir: str, repeats: int, dtype: str = "bfloat16") -> list[dict]:
+def child_dump(ckpt: str, T: int, out_dir: str, repeats: int, dtype: str = "bfloat16",
+               compression: str = "lzf") -> list[dict]:
     """Dump (capture + HDF5 streaming) vs the same prefill forward without capture, same process, same model.
 
     Plain forward: `load_model` + the model's forward on the same ids (prefill only, no decode steps); dump:
@@ -164,14 +165,14 @@ def child_dump(ckpt: str, T: int, out_dir: str, repeats: int, dtype: str = "bflo
     for r in range(repeats):
         path = Path(out_dir) / f"bench-dump-{r}.h5"
         s = dump_checkpoint(ckpt, path, ids, DumpOptions(dtype=dtype, decode_steps=0, causality_check=False,
-                                                         progress=False, force=True))
+                                                         progress=False, force=True, compression=compression))
         dumps.append(s.seconds_forward)
         writes.append(s.seconds_write)
         sizes.append(path.stat().st_size)
         path.unlink()
     n_layers = cfg.num_hidden_layers
     size = sizes[0]
-    return [{"side": "dump", "T": T, "layers": n_layers, "plain_forward": _stats(plain),
+    return [{"side": "dump", "T": T, "layers": n_layers, "compression": compression, "plain_forward": _stats(plain),
              "dump_forward": _stats(dumps), "ratio_min": min(dumps) / min(plain), "file_mb": size / 2**20,
              "points": s.points, "raw_bytes": s.bytes,
              "bytes_per_token_layer": size / (T * n_layers),
@@ -193,12 +194,35 @@ def run_child(role: str, kwargs: dict, env: dict | None = None, timeout: float =
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def pytest_parity_timings(repo: str | Path, workers: tuple[int, ...] = (0, 2), log=print) -> list[dict]:
+    """Wall time of `pytest parity` on the bundled dumps (DESIGN §9): for each worker count (0 = serial), once with an
+    empty JAX compilation cache ("cold") and once more reusing it ("warm"). Each run is a fresh interpreter."""
+    out = []
+    for n in workers:
+        with tempfile.TemporaryDirectory(prefix="ling3-bench-pytest-cache-") as cache:
+            for state in ("cold", "warm"):
+                cmd = [sys.executable, "-m", "pytest", "parity", "-q", "-p", "no:cacheprovider"]
+                cmd += ["-n", str(n)] if n else []
+                t = time.perf_counter()
+                p = subprocess.run(cmd, cwd=str(repo), capture_output=True, text=True,
+                                   env={**os.environ, "LING3_JAX_CACHE": cache})
+                wall = time.perf_counter() - t
+                summary = (p.stdout.strip().splitlines() or [""])[-1]
+                if p.returncode != 0:
+                    raise RuntimeError(f"`{' '.join(cmd)}` failed (rc {p.returncode}): {summary}\n{p.stdout[-3000:]}")
+                rec = {"side": "pytest", "workers": n, "cache": state, "wall_s": wall, "summary": summary,
+                       "loadavg": load_average()}
+                log(f"pytest parity -n {n} {state}: {wall:.1f}s ({summary})")
+                out.append(rec)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ parent
 def run_bench(ckpt: str, layers: list[int], Ts: list[int], repeats: int = 3, dump_T: int | None = None,
-              dump_ckpt: str | None = None, log=print) -> dict:
+              dump_ckpt: str | None = None, pytest_repo: str | None = None, log=print) -> dict:
     """Layer replay (JAX cold with an empty cache, cold with the cache warm, warm) vs the twin layer, + dump overhead."""
     res: dict[str, Any] = {"ckpt": ckpt, "layers": layers, "Ts": Ts, "repeats": repeats,
-                           "loadavg_start": load_average(), "ncpu": os.cpu_count(), "jax": [], "torch": [], "dump": []}
+                           "loadavg_start": load_average(), "ncpu": os.cpu_count(), "jax": [], "torch": [], "dump": [], "pytest": []}
     with tempfile.TemporaryDirectory(prefix="ling3-bench-cache-") as cache:
         for layer in layers:
             for cache_state in ("empty", "warm"):  # the first run fills the fresh cache, the second reads it
@@ -214,10 +238,13 @@ def run_bench(ckpt: str, layers: list[int], Ts: list[int], repeats: int = 3, dum
         log(f"torch L{r['layer']} T={r['T']}: cold {r['cold_s']:.2f}s warm {r['warm']['min']:.3f}s")
     res["torch"] = recs
     if dump_T:
-        with tempfile.TemporaryDirectory(prefix="ling3-bench-dump-") as d:
-            res["dump"] = run_child("dump", {"ckpt": dump_ckpt or ckpt, "T": dump_T, "out_dir": d,
-                                             "repeats": repeats})
-        log(f"dump: {res['dump'][0]['ratio_min']:.2f}x plain forward")
+        for compression in ("lzf", "none"):
+            with tempfile.TemporaryDirectory(prefix="ling3-bench-dump-") as d:
+                res["dump"] += run_child("dump", {"ckpt": dump_ckpt or ckpt, "T": dump_T, "out_dir": d,
+                                                  "repeats": repeats, "compression": compression})
+            log(f"dump ({compression}): {res['dump'][-1]['ratio_min']:.2f}x plain forward")
+    if pytest_repo:
+        res["pytest"] = pytest_parity_timings(pytest_repo, log=log)
     res["loadavg_end"] = load_average()
     return res
 
@@ -247,11 +274,15 @@ def table(res: dict) -> str:
                     f"{peak:.0f} | {wa:.0f} | {peak / wa:.2f} |")
     for d in res.get("dump", []):
         rows.append("")
-        rows.append(f"dump (T={d['T']}, {d['layers']} layers, prefill only): captured forward "
+        rows.append(f"dump (T={d['T']}, {d['layers']} layers, prefill only, compression {d.get('compression', 'lzf')}): "
+                    f"captured forward "
                     f"{d['dump_forward']['min']:.2f}s vs plain {d['plain_forward']['min']:.2f}s = "
                     f"{d['ratio_min']:.2f}x; file {d['file_mb']:.1f} MB = {d['bytes_per_token_layer'] / 1024:.1f} KiB "
                     f"per token per layer; HDF5 writer {d['write_s']['min']:.2f}s for {d['array_mb']:.1f} MB of arrays = "
-                    f"{d['write_mb_per_s']:.0f} MB/s (lzf + shuffle, incl. final flush and seal)")
+                    f"{d['write_mb_per_s']:.0f} MB/s (incl. final flush and seal)")
+    for r in res.get("pytest", []):
+        mode = f"-n {r['workers']}" if r["workers"] else "serial"
+        rows.append(f"`pytest parity` {mode}, {r['cache']} JAX cache: {r['wall_s']:.1f} s ({r['summary']})")
     rows.append("")
     rows.append(f"load average start {res['loadavg_start']} end {res.get('loadavg_end')}, {res['ncpu']} CPUs; "
                 f"peak RSS is the child's ru_maxrss minus its RSS after imports")

@@ -200,3 +200,55 @@ def test_stats_only(tmp_path):
         assert d.points() == [] or all(False for _ in d.points())
         st = d.stats(_pt("prefill", 0, 3, "attention.core"))
         assert st["shape"] == [1, 20, 64] and st["rms"] > 0 and st["nan"] == 0
+
+
+def _h5_content(path: Path) -> dict:
+    """Every root attr, dataset (bits) and dataset attr of a dump, by name (HDF5 file bytes are not reproducible
+    run to run even on the synchronous path, so the comparison is of content)."""
+    import h5py
+
+    out = {"/": {k: str(v) for k, v in h5py.File(path).attrs.items()}}
+    with h5py.File(path) as f:
+        def visit(name, obj):
+            if isinstance(obj, h5py.Dataset):
+                data = obj[()]
+                out[name] = (data.tobytes() if isinstance(data, np.ndarray) else repr(data),
+                             {k: str(v) for k, v in obj.attrs.items()})
+        f.visititems(visit)
+    return out
+
+
+def test_writer_thread_and_no_compression_write_what_the_default_writes(tmp_path, tiny_dump, monkeypatch):
+    """The background writer is an ordering-preserving fast path of the synchronous one: same datasets, same bits,
+    same attributes."""
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    a, b, c = tmp_path / "thread.h5", tmp_path / "sync.h5", tmp_path / "raw.h5"
+    ids = IDS_80[:, :70]
+    dump_checkpoint(CKPT / "tiny", a, ids, _opts(decode_steps=1, causality_check=False, write_thread=True))
+    dump_checkpoint(CKPT / "tiny", b, ids, _opts(decode_steps=1, causality_check=False, write_thread=False))
+    dump_checkpoint(CKPT / "tiny", c, ids, _opts(decode_steps=1, causality_check=False, compression="none"))
+    ca, cb, cc = _h5_content(a), _h5_content(b), _h5_content(c)
+    assert len(ca) > 100 and ca.keys() == cb.keys() == cc.keys()
+    assert [k for k in ca if ca[k] != cb[k]] == [] and [k for k in ca if ca[k] != cc[k]] == []
+    validate_dump(c)
+    assert c.stat().st_size > b.stat().st_size  # the filter really was off
+
+
+def test_background_writer_raises_a_write_error_in_the_caller():
+    from parity.points import Point
+    from parity.torch_ref.dump import BackgroundWriter
+
+    done = []
+
+    def write(point, arr, attrs):
+        if point.site == "bad":
+            raise DumpError(f"x.h5: {point.key()}: cannot write")
+        done.append(point.site)
+
+    bw = BackgroundWriter(write, max_pending_bytes=16)
+    bw.put(Point("prefill", 0, 1, "a"), np.zeros(4, np.float32), {})
+    bw.put(Point("prefill", 0, 1, "bad"), np.zeros(4, np.float32), {})
+    bw.close(raise_error=False)  # waits for both writes; the error is kept
+    assert done == ["a"]
+    with pytest.raises(DumpError, match="bad: cannot write"):  # raised in the caller's thread at the next put
+        bw.put(Point("prefill", 0, 1, "c"), np.zeros(4, np.float32), {})

@@ -3,7 +3,7 @@
 table and writes the raw records as JSON. Example (real Ling3-Tiny layer shapes):
 
     python tools/make_ckpt.py --preset ling3-tiny --layers 4 --seed 0 --out /tmp/lt4
-    python tools/bench.py /tmp/lt4 --layers 0,1,3 --T 128,512,2048 --dump-T 128 --json bench.json
+    python tools/bench.py /tmp/lt4 --layers 0,1,3 --T 128,512,2048 --dump-T 128 --pytest --json bench.json
 """
 
 from __future__ import annotations
@@ -26,10 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="warm calls per measurement (min and median reported)")
     ap.add_argument("--dump-T", type=int, default=0, help="also measure dump overhead at this prompt length (0: skip)")
     ap.add_argument("--dump-ckpt", default=None, help="checkpoint for the dump measurement (default: ckpt)")
+    ap.add_argument("--pytest", action="store_true",
+                    help="also time `pytest parity` on the bundled dumps: serial and -n 2, cold and warm JAX cache")
     ap.add_argument("--json", default="bench.json", help="output JSON path")
     a = ap.parse_args(argv)
     res = run_bench(a.ckpt, [int(x) for x in a.layers.split(",")], [int(x) for x in a.T.split(",")], a.repeats,
-                    a.dump_T or None, a.dump_ckpt, log=lambda m: print(m, file=sys.stderr, flush=True))
+                    a.dump_T or None, a.dump_ckpt,
+                    str(Path(__file__).resolve().parents[1]) if a.pytest else None, log=lambda m: print(m, file=sys.stderr, flush=True))
     Path(a.json).write_text(json.dumps(res, indent=1))
     print(table(res))
     return 0

@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sites", help="site glob patterns, comma-separated, e.g. 'attention.*,mlp' (default all)")
     p.add_argument("--stats-only", action="store_true", help="per-point statistics only, no tensors (huge models)")
     p.add_argument("--no-cache-snapshots", action="store_true", help="do not record KDA state from the cache")
+    p.add_argument("--write-thread", choices=("auto", "on", "off"), default="auto",
+                   help="compress + write on a worker thread overlapping the forward (auto: only off-CPU)")
+    p.add_argument("--compression", choices=("lzf", "none"), default="lzf",
+                   help="HDF5 filter: lzf (+shuffle, default) or none (~10x cheaper writes, ~15%% bigger files)")
     p.add_argument("--force", action="store_true", help="replace an existing dump (only once the new one is complete)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -122,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             decode_steps=args.decode_steps,
             continuation_ids=parse_ids(args.continuation) if args.continuation else None,
             stats_only=args.stats_only, cache_snapshots=not args.no_cache_snapshots, force=args.force,
+            write_thread={"auto": None, "on": True, "off": False}[args.write_thread], compression=args.compression,
             seed=args.seed, progress=not args.no_progress,
         )
         summary = dump_checkpoint(ckpt, args.out, seqs, opts,
