@@ -53,8 +53,11 @@ def test_cached_decode_equals_naive_prefill(setup, absorbed):
     cfg, spec, p, x, pos, ref, ref_pts = setup
     spec = dataclasses.replace(spec, mla_absorbed=absorbed)
     cache = init_mla_cache(2, 16, spec)
-    out, pts, cache = layer(p, x[:, :8], pos[:8], spec, cache)  # prefill 8 into the latent cache
+    out, pts, cache = layer(p, x[:, :6], pos[:6], spec, cache)  # naive prefill of 6 into the latent cache
     outs, cores = [out], [pts["attention.core"]]
+    out, pts, cache = layer(p, x[:, 6:8], pos[6:8], spec, cache)  # a 2-token chunk through the cache
+    outs.append(out)
+    cores.append(pts["attention.core"])
     for t in range(8, 12):  # then 4 single-token decode steps
         out, pts, cache = layer(p, x[:, t:t + 1], pos[t:t + 1], spec, cache)
         outs.append(out)
@@ -68,9 +71,12 @@ def test_perturbed_absorbed_form_is_detected(setup):
     """A wrong softmax scale (v_head_dim^-½ instead of qk_head_dim^-½, facts §4.4) makes the comparison fail."""
     cfg, spec, p, x, pos, ref, ref_pts = setup
     wrong = dataclasses.replace(spec, model=dataclasses.replace(spec.model, attn_scale=cfg.v_head_dim ** -0.5))
-    out, pts, _ = layer(p, x, pos, wrong, init_mla_cache(2, 16, wrong))
+    _, _, cache = layer(p, x[:, :1], pos[:1], spec, init_mla_cache(2, 16, spec))  # token 0: right, naive
+    out, pts, _ = layer(p, x[:, 1:], pos[1:], wrong, cache)  # tokens 1..11 through the absorbed form
     with pytest.raises(AssertionError):
-        assert_rel_close(pts["attention.core"], ref_pts["attention.core"], TOL, "wrong scale")
+        assert_rel_close(pts["attention.core"], ref_pts["attention.core"][:, 1:], TOL, "wrong scale")
+    out, pts, _ = layer(p, x[:, 1:], pos[1:], spec, cache)  # ... which, right, passes
+    assert_rel_close(pts["attention.core"], ref_pts["attention.core"][:, 1:], TOL, "right scale")
 
 
 def test_causality_and_gate(setup):

@@ -26,7 +26,8 @@ MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the class-default eps 
 
 class MLACache(NamedTuple):
     """Latent cache of one MLA layer: c_kv [B,S,c] (after kv_a_layernorm), k_rope [B,S,r] (rotated), length (int32
-    scalar: tokens written). S is a fixed capacity so decode steps keep static shapes (one compile)."""
+    scalar: tokens written; None for a fresh cache — a static pytree leaf, so the prefill that fills it is traced as a
+    prefill). S is a fixed capacity so decode steps keep static shapes (one compile)."""
 
     c_kv: jnp.ndarray
     k_rope: jnp.ndarray
@@ -36,7 +37,7 @@ class MLACache(NamedTuple):
 def init_mla_cache(batch: int, capacity: int, spec: LayerSpec) -> MLACache:
     m = spec.model
     return MLACache(jnp.zeros((batch, capacity, m.kv_lora_rank), m.jdtype),
-                    jnp.zeros((batch, capacity, m.qk_rope), m.jdtype), jnp.zeros((), jnp.int32))
+                    jnp.zeros((batch, capacity, m.qk_rope), m.jdtype), None)
 
 
 def _mm(eq: str, a, b, dtype):
@@ -56,7 +57,9 @@ def mla_attention(p: dict, x: jnp.ndarray, positions: jnp.ndarray, spec: LayerSp
     """MLA block on the layer-normed x [B,T,D] at RoPE `positions` [T] or [B,T].
 
     cache None: naive causal form over these T tokens (returns new_cache None).
-    cache given: the T new tokens are written at cache.length and attend to everything before them and causally to
+    fresh cache (`init_mla_cache`, length None): the same naive prefill (the reference's eager path, facts §4.4 — and
+    T×T scores instead of T×capacity), its latents written at 0.
+    filled cache: the T new tokens are written at cache.length and attend to everything before them and causally to
     each other, in the absorbed form (`spec.mla_absorbed`) or by expanding K/V from the cached latents.
     Returns (out [B,T,D], points, new_cache)."""
     m = spec.model
@@ -88,10 +91,14 @@ def mla_attention(p: dict, x: jnp.ndarray, positions: jnp.ndarray, spec: LayerSp
     k_rope = apply_rope_interleaved(kv_a[..., None, c:], cos, sin)[..., 0, :]  # [B,T,r], one shared head
 
     w_kv = p["kv_b_proj"].reshape(c, H, n + vd)
-    if cache is None:
+    if cache is None or cache.length is None:
         kvh = kv.reshape(B, T, H, n + vd)
-        core, new_cache = _naive(q_nope, q_rope, kvh[..., :n], kvh[..., n:], k_rope, jnp.tril(jnp.ones((T, T), bool)),
-                                 m.attn_scale, dt), None
+        core = _naive(q_nope, q_rope, kvh[..., :n], kvh[..., n:], k_rope, jnp.tril(jnp.ones((T, T), bool)),
+                      m.attn_scale, dt)
+        new_cache = None if cache is None else MLACache(
+            jax.lax.dynamic_update_slice(cache.c_kv, c_kv.astype(cache.c_kv.dtype), (0, 0, 0)),
+            jax.lax.dynamic_update_slice(cache.k_rope, k_rope.astype(cache.k_rope.dtype), (0, 0, 0)),
+            jnp.asarray(T, jnp.int32))
     else:
         start = cache.length
         new_cache = MLACache(jax.lax.dynamic_update_slice(cache.c_kv, c_kv.astype(cache.c_kv.dtype), (0, start, 0)),
