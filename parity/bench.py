@@ -65,6 +65,7 @@ def child_jax(ckpt: str, layer: int, Ts: list[int], repeats: int, dtype: str = "
     from parity.jax_ling3.weights import CheckpointReader
     from parity.targets.reference import ReferenceTarget
 
+    jax.block_until_ready(jax.jit(lambda x: x + 1)(np.zeros(4, np.float32)))  # the runtime's own footprint first
     rss0 = current_rss_mb()
     reader = CheckpointReader(ckpt)
     tgt = ReferenceTarget()
@@ -73,6 +74,7 @@ def child_jax(ckpt: str, layer: int, Ts: list[int], repeats: int, dtype: str = "
     tgt.load_layer(layer, reader.lazy_tensors(layer))
     jax.block_until_ready(tgt.params[layer])
     load_s = time.perf_counter() - t
+    rss_loaded = current_rss_mb()
     w_bytes = _tree_nbytes(tgt.params[layer])
     out = []
     for T in sorted(Ts):
@@ -90,7 +92,8 @@ def child_jax(ckpt: str, layer: int, Ts: list[int], repeats: int, dtype: str = "
         out.append({"side": "jax", "layer": layer, "kind": tgt.spec(layer).kind, "moe": tgt.spec(layer).moe, "T": T,
                     "cold_s": cold, "warm": _stats(warm), "compile_s_est": cold - min(warm),
                     "cache_dir": COMPILATION_CACHE_DIR, "load_s": load_s, "weights_mb": w_bytes / 2**20,
-                    "activations_mb": act_bytes / 2**20, "rss_base_mb": rss0, "peak_rss_mb": peak_rss_mb(),
+                    "activations_mb": act_bytes / 2**20, "rss_base_mb": rss0, "rss_after_load_mb": rss_loaded,
+                    "rss_after_mb": current_rss_mb(), "peak_rss_mb": peak_rss_mb(),
                     "loadavg": load_average()})
     return out
 
@@ -285,7 +288,7 @@ def table(res: dict) -> str:
         rows.append(f"`pytest parity` {mode}, {r['cache']} JAX cache: {r['wall_s']:.1f} s ({r['summary']})")
     rows.append("")
     rows.append(f"load average start {res['loadavg_start']} end {res.get('loadavg_end')}, {res['ncpu']} CPUs; "
-                f"peak RSS is the child's ru_maxrss minus its RSS after imports")
+                f"peak RSS is the child's ru_maxrss minus its RSS after imports and JAX runtime start-up")
     return "\n".join(rows)
 
 
