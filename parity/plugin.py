@@ -37,6 +37,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--parity-tol", action="append", default=[],
                 help="one rule override, e.g. 'mlp.*:layer:bfloat16:max_ulps=8,hard_ulps=64' (repeatable)")
     g.addoption("--parity-report", default=str(ROOT / "reports"), help="report directory (one subdirectory per dump)")
+    g.addoption("--parity-mesh", default=None,
+                help="shard the target's layer params over a device mesh: auto | N | EXPERTSxHEADS (e.g. 4x2)")
     g.addoption("--parity-layers", default=None, help="layers to replay, e.g. 0-3,7 (default all)")
 
 
@@ -124,7 +126,17 @@ class ParitySession:
             rules = rules.merged(parse_overrides(overrides))
         dtype = dump.meta.get("compute_dtype", "bfloat16")
         target = target_cls()
-        target.build(dump.config, dtype)
+        mesh_spec = self.config.getoption("--parity-mesh")
+        if mesh_spec:
+            from parity.jax_ling3.sharding import mesh_from_spec
+
+            try:
+                mesh = mesh_from_spec(mesh_spec)
+            except ValueError as e:
+                raise pytest.UsageError(str(e)) from None
+            target.build(dump.config, dtype, mesh=mesh)
+        else:
+            target.build(dump.config, dtype)
         ctx = ReplayContext(dump=dump, ckpt=CheckpointReader(ckpt_dir), target=target, rules=rules,
                             mode=self.config.getoption("--parity-mode"), dtype=dtype)
         self.contexts[entry.label] = ctx

@@ -312,11 +312,12 @@ def replay_free(ctx: ReplayContext, progress: Callable[[str], None] | None = Non
 
 
 def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", rules=None,
-               layers=None, progress: Callable[[str], None] | None = None) -> dict:
+               layers=None, progress: Callable[[str], None] | None = None, mesh=None) -> dict:
     """Programmatic replay of a whole dump: returns the report dict (parity.report.build_report).
 
     ckpt_dir defaults to the bundled checkpoint with the dump's fingerprint; target defaults to the reference target;
-    rules to the default tolerance table. `pytest parity` does the same thing point by point.
+    rules to the default tolerance table; mesh (a jax Mesh or a `--parity-mesh` string such as "4x2") is handed to
+    the target's build. `pytest parity` does the same thing point by point.
     """
     from pathlib import Path
 
@@ -336,7 +337,11 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
 
             target = ReferenceTarget()
         dtype = dump.meta.get("compute_dtype", "bfloat16")
-        target.build(dump.config, dtype)
+        if isinstance(mesh, str):
+            from parity.jax_ling3.sharding import mesh_from_spec
+
+            mesh = mesh_from_spec(mesh)
+        target.build(dump.config, dtype, **({"mesh": mesh} if mesh is not None else {}))
         ctx = ReplayContext(dump=dump, ckpt=CheckpointReader(Path(ckpt_dir)), target=target,
                             rules=rules or default_rules(), mode=mode, dtype=dtype)
         if mode == "free":

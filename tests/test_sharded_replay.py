@@ -23,17 +23,12 @@ SCRIPT = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import jax
     assert len(jax.devices()) == 8, jax.devices()
-    from parity.jax_ling3.sharding import make_mesh
+    from parity.jax_ling3.sharding import mesh_from_spec
     from parity.replay import run_replay
     from parity.targets.reference import ReferenceTarget
 
-    MESH = make_mesh(8)
-
-    class MeshTarget(ReferenceTarget):
+    class MeshTarget(ReferenceTarget):  # records where each layer's experts live
         seen = set()
-
-        def build(self, config, dtype, mesh=None):
-            super().build(config, dtype, mesh=MESH)
 
         def load_layer(self, i, hf):
             super().load_layer(i, hf)
@@ -45,7 +40,7 @@ SCRIPT = textwrap.dedent("""
     layers = [1, 3]
     plain = run_replay(sys.argv[2], layers=layers)
     tgt = MeshTarget()
-    sharded = run_replay(sys.argv[2], target=tgt, layers=layers)
+    sharded = run_replay(sys.argv[2], target=tgt, layers=layers, mesh="4x2")  # as `pytest parity --parity-mesh 4x2`
     assert tgt.seen == {8}, tgt.seen  # the sharded run really had its experts spread over the mesh
     a, b = statuses(plain), statuses(sharded)
     assert len(a) > 50 and a.keys() == b.keys(), (len(a), sorted(set(a) ^ set(b))[:5])
@@ -55,6 +50,13 @@ SCRIPT = textwrap.dedent("""
     # perturbation: a different set of statuses must be detected by the same comparison
     k0 = next(iter(a))
     assert {**a, k0: "fail" if a[k0] != "fail" else "pass"} != b
+    for bad in ("4x4", "16", "wide"):  # one clear line, not a jax traceback
+        try:
+            mesh_from_spec(bad)
+        except ValueError as e:
+            assert str(e).startswith(f"--parity-mesh {bad!r}: "), e
+        else:
+            raise AssertionError(bad)
     print("OK", len(a), sorted(set(a.values())))
 """)
 

@@ -39,6 +39,23 @@ def make_mesh(n_devices: int | None = None, experts: int | None = None) -> Mesh:
     return Mesh(np.array(devs[:n]).reshape(e, n // e), (EXPERT, HEAD))
 
 
+def mesh_from_spec(spec: str) -> Mesh:
+    """`--parity-mesh` values: "auto" (every device, expert axis n/2), "N" (the first N devices) or "ExH" (an expert
+    axis of E and a head axis of H devices, e.g. "4x2" on a v5e-8 or 8 simulated CPU devices)."""
+    s = str(spec).strip().lower()
+    try:
+        if s == "auto":
+            return make_mesh()
+        if "x" in s:
+            e, h = (int(v) for v in s.split("x"))
+            return make_mesh(e * h, experts=e)
+        return make_mesh(int(s))
+    except ValueError as err:
+        if "devices" in str(err) or "divide" in str(err):
+            raise ValueError(f"--parity-mesh {spec!r}: {err}") from None
+        raise ValueError(f"--parity-mesh {spec!r}: expected 'auto', a device count N, or EXPERTSxHEADS such as 4x2")
+
+
 def _spec_for(name: str, arr, mesh: Mesh) -> P:
     spec = _SPECS.get(name)
     if spec is None or arr.ndim != len(spec):
@@ -67,4 +84,4 @@ def placer(mesh: Mesh):
     return lambda params: place_layer(params, mesh)
 
 
-__all__ = ["make_mesh", "place_layer", "placer", "EXPERT", "HEAD", "math"]
+__all__ = ["make_mesh", "mesh_from_spec", "place_layer", "placer", "EXPERT", "HEAD", "math"]
