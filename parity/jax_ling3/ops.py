@@ -24,8 +24,10 @@ def dot_f32(eq: str, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
 
 # XLA:CPU (jax 0.10) runs a plain `[..., K] @ [K, N]` bf16×bf16→fp32 dot natively (fp32 accumulation: max relative
 # difference 1e-7 from the upcast path, 2-4.5x faster at Ling3-Tiny shapes, and no fp32 copy of the weights), though
-# not every einsum layout (`dot_f32`'s note). False = always the upcast path of `dot_f32` (the readable reference).
-NATIVE_BF16_MATMUL = True
+# not every einsum layout (`dot_f32`'s note). Off by default: a KDA+MoE Ling3-Tiny layer compiled with it hung (idle,
+# waiting on its result) when loaded back from the persistent compilation cache (tools/bench.py, warm-cache child).
+# False = always the upcast path of `dot_f32` (the readable reference).
+NATIVE_BF16_MATMUL = False
 
 
 def matmul_f32(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
