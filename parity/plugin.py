@@ -126,14 +126,8 @@ class ParitySession:
             rules = rules.merged(parse_overrides(overrides))
         dtype = dump.meta.get("compute_dtype", "bfloat16")
         target = target_cls()
-        mesh_spec = self.config.getoption("--parity-mesh")
-        if mesh_spec:
-            from parity.jax_ling3.sharding import mesh_from_spec
-
-            try:
-                mesh = mesh_from_spec(mesh_spec)
-            except ValueError as e:
-                raise pytest.UsageError(str(e)) from None
+        mesh = getattr(self.config, "_parity_mesh", None)  # built and checked in pytest_configure
+        if mesh is not None:
             target.build(dump.config, dtype, mesh=mesh)
         else:
             target.build(dump.config, dtype)
@@ -217,6 +211,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "parity_error(msg): the dump could not be read")
     config.addinivalue_line("markers", "parity_layer(i): a parity test of layer i")
     config._parity_records = {}
+    spec = config.getoption("--parity-mesh", default=None)
+    if spec:  # a bad mesh is one usage error up front, not a failure in every test
+        from parity.jax_ling3.sharding import mesh_from_spec
+
+        try:
+            config._parity_mesh = mesh_from_spec(spec)
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

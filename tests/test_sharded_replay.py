@@ -67,3 +67,10 @@ def test_sharded_replay_gives_the_same_verdicts():
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT), str(DUMP)], capture_output=True, text=True,
                          timeout=600, env=env)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-1500:] + out.stderr[-3000:]
+
+
+def test_bad_parity_mesh_is_one_usage_error():
+    out = subprocess.run([sys.executable, "-m", "pytest", "parity", "-q", "-p", "no:cacheprovider", "--parity-dump",
+                          str(DUMP), "--parity-mesh", "64x64"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 4, out.stdout[-1000:] + out.stderr[-1000:]  # pytest's usage-error exit code
+    assert "--parity-mesh '64x64': make_mesh(4096): only" in out.stderr and "passed" not in out.stdout
