@@ -578,8 +578,8 @@ def _open(path: Path, verify: bool = True) -> h5py.File:
         return h5py.File(path, "r", locking=False)
 
 
-def _validate_open(f: h5py.File, path: Path, expect_fingerprint: str | None) -> dict:
-    """Checks of DESIGN §4 on an open file; returns the decoded root meta."""
+def _validate_open(f: h5py.File, path: Path, expect_fingerprint: str | None) -> tuple[dict, dict]:
+    """Checks of DESIGN §4 on an open file; returns the decoded root meta and {data point: its dtype attr}."""
     with _h5_errors(path, "cannot read root attributes"):
         attrs = f.attrs
         schema = _attr_value(attrs["schema"]) if "schema" in attrs else None
@@ -609,12 +609,13 @@ def _validate_open(f: h5py.File, path: Path, expect_fingerprint: str | None) -> 
         raise DumpError(f"{path}: fingerprint mismatch: the dump was made from checkpoint {fp} ({src}), "
                         f"expected checkpoint {expect_fingerprint}")
     with _h5_errors(path, "cannot read the dump's groups"):
-        _check_tree(f, path)
-    return meta
+        dtypes = _check_tree(f, path)
+    return meta, dtypes
 
 
-def _check_tree(f: h5py.File, path: Path) -> None:
-    """Group names of DESIGN §4, tokens, unavailable table, and every dataset's dtype attr against its storage."""
+def _check_tree(f: h5py.File, path: Path) -> dict:
+    """Group names of DESIGN §4, tokens, unavailable table, and every dataset's dtype attr against its storage.
+    Returns {data point: dtype attr} (the reader's index: one pass over the file's attributes, not two)."""
     allowed_root = {"tokens", "unavailable", "stats", *_PHASES}
     extra = sorted(set(f.keys()) - allowed_root)
     if extra:
@@ -631,10 +632,11 @@ def _check_tree(f: h5py.File, path: Path) -> None:
     if un is not None and not (isinstance(un, h5py.Dataset) and un.ndim == 2 and un.shape[1] == 2
                                and h5py.check_string_dtype(un.dtype) is not None):
         raise DumpError(f"{path}: /unavailable is not an [N, 2] string table")
+    dtypes = {}
     for phase in _PHASES:
         if phase in f:
             for p, ds in _iter_phase(f, phase, path, prefix=""):
-                _check_dataset(ds, p, path)
+                dtypes[p] = _check_dataset(ds, p, path)
     if "stats" in f:
         st = f["stats"]
         if not isinstance(st, h5py.Group) or set(st.keys()) - set(_PHASES):
@@ -644,15 +646,17 @@ def _check_tree(f: h5py.File, path: Path) -> None:
             for p, ds in _iter_phase(st, phase, path, prefix="/stats"):
                 if ds.shape is not None:
                     raise DumpError(f"{path}: /stats{p.h5_path()} has data; statistics are attrs of an empty dataset")
+    return dtypes
 
 
-def _check_dataset(ds: h5py.Dataset, p: Point, path: Path) -> None:
+def _check_dataset(ds: h5py.Dataset, p: Point, path: Path) -> str:
     dtype = _attr_value(ds.attrs["dtype"]) if "dtype" in ds.attrs else None
     if dtype not in STORAGE:
         raise DumpError(f"{path}: {p.key()}: dtype attr {dtype!r} is unknown; expected one of {sorted(STORAGE)}")
     if ds.dtype != STORAGE[dtype]:
         raise DumpError(f"{path}: {p.key()}: dtype attr {dtype!r} is inconsistent with its storage {ds.dtype} "
                         f"(expected {STORAGE[dtype]})")
+    return dtype
 
 
 def _iter_phase(root: h5py.Group, phase: str, path: Path, prefix: str) -> Iterator[tuple[Point, h5py.Dataset]]:
@@ -696,7 +700,7 @@ def validate_dump(path: str | os.PathLike, *, expect_fingerprint: str | None = N
     p = Path(path)
     f = _open(p, verify)
     try:
-        return _validate_open(f, p, expect_fingerprint)
+        return _validate_open(f, p, expect_fingerprint)[0]
     finally:
         with _h5_errors(p, "cannot close"):
             f.close()
@@ -712,8 +716,10 @@ class DumpReader:
         self.path = Path(path)
         self._f: h5py.File | None = _open(self.path, verify)
         try:
-            self.meta: dict = _validate_open(self._f, self.path, expect_fingerprint)
-            self._index = self._build_index()
+            self.meta, self._dtypes = _validate_open(self._f, self.path, expect_fingerprint)
+            self._index = set(self._dtypes)
+            self._attrs: dict[Point, dict] = {}  # per-point attrs, read once (a replay asks for each point's dtype)
+            self._stats_index = self._build_stats_index()
         except BaseException:
             self.close()
             raise
@@ -797,13 +803,20 @@ class DumpReader:
         ds = self._dataset(point)
         with _h5_errors(self.path, f"cannot read {point.key()}"):
             a = np.asarray(ds[index])
-            dtype = _attr_value(ds.attrs["dtype"])
-            return a.view(ml_dtypes.bfloat16) if dtype == "bfloat16" else a
+            return a.view(ml_dtypes.bfloat16) if self._dtypes[point] == "bfloat16" else a
+
+    def dtype(self, point: Point) -> str:
+        """The point's logical dtype attr ("bfloat16", "float32", ...), checked against its storage on open."""
+        if point not in self._index:
+            raise DumpError(self._missing_message(point))
+        return self._dtypes[point]
 
     def attrs(self, point: Point) -> dict:
-        ds = self._dataset(point)
-        with _h5_errors(self.path, f"cannot read attributes of {point.key()}"):
-            return {k: _attr_value(v) for k, v in ds.attrs.items()}
+        if point not in self._attrs:
+            ds = self._dataset(point)
+            with _h5_errors(self.path, f"cannot read attributes of {point.key()}"):
+                self._attrs[point] = {k: _attr_value(v) for k, v in ds.attrs.items()}
+        return dict(self._attrs[point])
 
     def shape(self, point: Point) -> tuple[int, ...]:
         return tuple(self._dataset(point).shape)
@@ -831,14 +844,11 @@ class DumpReader:
             raise DumpError(f"{self.path}: reader is closed")
         return self._f
 
-    def _build_index(self) -> set[Point]:
-        with _h5_errors(self.path, "cannot list the dump's points"):
-            f = self._file
-            idx = {p for ph in _PHASES if ph in f for p, _ in _iter_phase(f, ph, self.path, "")}
-            st = f.get("stats")
-            self._stats_index = {p for ph in _PHASES if st is not None and ph in st
-                                 for p, _ in _iter_phase(st, ph, self.path, "/stats")}
-            return idx
+    def _build_stats_index(self) -> set[Point]:
+        with _h5_errors(self.path, "cannot list the dump's statistics"):
+            st = self._file.get("stats")
+            return {p for ph in _PHASES if st is not None and ph in st
+                    for p, _ in _iter_phase(st, ph, self.path, "/stats")}
 
     def _dataset(self, point: Point) -> h5py.Dataset:
         if point not in self._index:

@@ -198,19 +198,40 @@ def parity_params(config: pytest.Config) -> list:
             ph = "prefill" if phase == "prefill" else f"decode_{step}"
             for site in ("embed", "final_norm", "logits"):
                 params.append(pytest.param(entry, (phase, step, None, site), None,
-                                           id=f"{entry.label}/{ph}/model/{site}"))
+                                           id=f"{entry.label}/{ph}/model/{site}",
+                                           marks=_xdist_group(entry, None)))
             for i in layers:
                 extra = ("attention.dense:in",) if cfg.layer_kind(i) == "mla" else ()
                 for site in sites_for_config(cfg, i) + extra:
                     params.append(pytest.param(entry, (phase, step, i, site), i,
-                                               id=f"{entry.label}/{ph}/layer_{i}/{site}"))
+                                               id=f"{entry.label}/{ph}/layer_{i}/{site}",
+                                               marks=_xdist_group(entry, i)))
     return params
+
+
+def _xdist_group(entry: DumpEntry, layer: int | None):
+    """One replay serves every point of a (dump, layer): with -n, its tests run on one worker (under xdist's default
+    `load` each worker would replay every layer again). Honoured under `--dist loadgroup`, which `pytest_configure`
+    selects. Per layer, not per dump, so a big dump's layers still spread over the workers."""
+    return pytest.mark.xdist_group(f"parity:{entry.label}:{'model' if layer is None else f'L{layer:02d}'}")
+
+
+def _dist_given(config: pytest.Config) -> bool:
+    args = list(config.invocation_params.args) + os.environ.get("PYTEST_ADDOPTS", "").split()
+    return any(a in ("-d", "--distload", "--dist") or a.startswith("--dist=") for a in args)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "parity_error(msg): the dump could not be read")
     config.addinivalue_line("markers", "parity_layer(i): a parity test of layer i")
+    config.addinivalue_line("markers", "xdist_group(name): tests that run on one xdist worker (pytest-xdist)")
     config._parity_records = {}
+    if getattr(config.option, "dist", "no") == "load" and not _dist_given(config):
+        # xdist's default for -n spreads a layer's points over all workers, and each worker then replays that layer;
+        # loadgroup keeps a (dump, layer) on one worker and schedules ungrouped tests exactly like load.
+        config.option.dist = "loadgroup"
+    if getattr(config, "workerinput", {}).get("parity_loadgroup"):
+        config.option.loadgroup = True  # a worker parses the original args (no --dist): tell it, as xdist would
     spec = config.getoption("--parity-mesh", default=None)
     if spec:  # a bad mesh is one usage error up front, not a failure in every test
         from parity.jax_ling3.sharding import mesh_from_spec
@@ -219,6 +240,13 @@ def pytest_configure(config: pytest.Config) -> None:
             config._parity_mesh = mesh_from_spec(spec)
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """xdist controller: a worker tags each test id with its group only under loadgroup (see pytest_configure)."""
+    if node.config.getvalue("dist") == "loadgroup":
+        node.workerinput["parity_loadgroup"] = True
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -293,7 +321,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
     config = session.config
     if _is_worker(config) or not _RECORDS:
         return
-    from parity.config import Ling3Config
     from parity.report import build_report, write_reports
 
     out_root = Path(config.getoption("--parity-report"))
@@ -302,11 +329,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
     for label, recs in sorted(_RECORDS.items()):
         entry = entries.get(label)
         try:
-            from parity.dumpfile import DumpReader
-
-            with DumpReader(entry.path) as d:
-                cfg = Ling3Config.from_dict(d.meta["config_json"] if isinstance(d.meta["config_json"], dict)
-                                            else json.loads(d.meta["config_json"]), strict=False)
+            cfg = _session(config).reader(entry).config  # the reader the replay used: no second validation pass
         except Exception:
             continue
         for r in recs:

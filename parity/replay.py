@@ -68,7 +68,7 @@ def compare_point(ctx: ReplayContext, point: Point, test: np.ndarray | None) -> 
                        message=f"{point.key()}: shape mismatch: dump {ref.shape}, target {test.shape}")
             return rec
         test = test.reshape(ref.shape)
-    ref_dtype = ctx.dump.attrs(point).get("dtype", str(ref.dtype))
+    ref_dtype = ctx.dump.dtype(point)
     rule = ctx.rules.rule_for(point.site, ctx.mode, _rule_dtype(ref_dtype), ctx.dtype)
     v = compare(ref, test, rule, name=point.key())
     rec.update(v.to_dict())

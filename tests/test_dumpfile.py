@@ -187,6 +187,11 @@ def test_root_attrs_and_structure(tmp_path):
         assert r.sites("prefill", 0, None) == ["embed", "logits"]
         assert set(r.points()) == set(pts) and len(r.points()) == len(pts)
         assert all(r.has(p) for p in pts) and not r.has(Point("prefill", 0, 1, "input"))
+        # dtype() is the logical dtype attr read once on open; attrs() hands out copies of its per-point cache
+        assert {r.dtype(p) for p in pts} == {"float32"}
+        a = r.attrs(Point("prefill", 0, 0, "input"))
+        a["dtype"] = "bfloat16"
+        assert r.attrs(Point("prefill", 0, 0, "input"))["dtype"] == "float32"
 
 
 def _all_datasets(f: h5py.File) -> list[str]:
@@ -204,6 +209,8 @@ def test_missing_point_names_point_file_and_sites(tmp_path):
             r.read(Point("prefill", 0, 3, "attention.gate"))
         with pytest.raises(DumpError, match=r"prefill/L07/mlp not in dump .*layers L03"):
             r.attrs(Point("prefill", 0, 7, "mlp"))
+        with pytest.raises(DumpError, match=r"prefill/L07/mlp not in dump .*layers L03"):
+            r.dtype(Point("prefill", 0, 7, "mlp"))
 
 
 def test_unavailable_and_stats(tmp_path):

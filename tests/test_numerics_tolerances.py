@@ -89,6 +89,7 @@ def test_order_decides(tmp_path):
 
 def test_merged_overrides_win(tmp_path):
     base = load_rules(write(tmp_path, TABLE))
+    assert base.rule_for("mlp.gate.logits", "layer", "bfloat16").max_ulps == 8  # memoised per table, not shared
     over = load_rules(write(tmp_path, '[[rule]]\nsite = "*"\nmax_ulps = 16\n', "o.toml"))
     m = base.merged(over)
     assert m.rule_for("mlp.gate.logits", "layer", "bfloat16").max_ulps == 16

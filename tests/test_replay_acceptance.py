@@ -76,8 +76,8 @@ class _Dump:
     def unavailable(self):
         return {}
 
-    def attrs(self, p):
-        return {"dtype": str(self.arrays[p].dtype)}
+    def dtype(self, p):
+        return str(self.arrays[p].dtype)
 
 
 def _routing_case(layer: int = 1):

@@ -39,7 +39,7 @@ def to_device(tree, sharding_fn: Callable | None = None):
     """numpy params -> jax arrays (optionally placed by `sharding_fn(path, array)`, see `sharding.place_layer`)."""
     if sharding_fn is not None:
         return sharding_fn(tree)
-    return jax.tree_util.tree_map(jnp.asarray, tree)
+    return jax.tree_util.tree_map(jax.device_put, tree)  # not jnp.asarray: that compiles a `stage` per shape
 
 
 @dataclass

@@ -180,6 +180,14 @@ class RulesTable:
 
     def rule_for(self, site: str, mode: str, dtype: str, compute_dtype: str | None = None) -> ToleranceRule:
         """The rule for one point. Raises ToleranceError if a required field is set by no matching entry."""
+        # A replay asks for the same few hundred keys thousands of times; the table is immutable, so memoise.
+        cache = self.__dict__.setdefault("_memo", {})
+        key = (site, mode, dtype, compute_dtype)
+        if key not in cache:
+            cache[key] = self._rule_for(site, mode, dtype, compute_dtype)
+        return cache[key]
+
+    def _rule_for(self, site: str, mode: str, dtype: str, compute_dtype: str | None) -> ToleranceRule:
         got = self._resolve(site, mode, dtype, compute_dtype)
         where = f"site {site!r}, mode {mode!r}, dtype {dtype!r}" + (f", compute {compute_dtype!r}" if compute_dtype else "")
         missing = [f for f in REQUIRED_FIELDS if f not in got]

@@ -60,13 +60,13 @@ class ReferenceTarget(Target):
             self.globals = to_device(convert_globals(self.cfg, hf_tensors, self.dtype))
 
     def load_layer(self, i: int, hf_tensors: dict[str, np.ndarray]) -> None:
-        import jax.numpy as jnp
+        import jax
 
         from parity.jax_ling3.model import to_device
         from parity.jax_ling3.weights import convert_layer
 
         if self._place is None:  # stream: each converted array goes to the device at once (peak ≈ layer + one array)
-            self.params[i] = convert_layer(self.cfg, i, hf_tensors, self.dtype, put=jnp.asarray)
+            self.params[i] = convert_layer(self.cfg, i, hf_tensors, self.dtype, put=jax.device_put)  # jnp.asarray would compile a `stage` per shape
         else:  # the placer shards the whole layer tree at once
             self.params[i] = to_device(convert_layer(self.cfg, i, hf_tensors, self.dtype), self._place)
 
