@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -23,11 +25,13 @@ def dot_f32(eq: str, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
 
 
 # XLA:CPU (jax 0.10) runs a plain `[..., K] @ [K, N]` bf16×bf16→fp32 dot natively (fp32 accumulation: max relative
-# difference 1e-7 from the upcast path, 2-4.5x faster at Ling3-Tiny shapes, and no fp32 copy of the weights), though
-# not every einsum layout (`dot_f32`'s note). Off by default: a KDA+MoE Ling3-Tiny layer compiled with it hung (idle,
-# waiting on its result) when loaded back from the persistent compilation cache (tools/bench.py, warm-cache child).
-# False = always the upcast path of `dot_f32` (the readable reference).
-NATIVE_BF16_MATMUL = False
+# difference 1e-7 from the upcast path; 2-4.5x faster on isolated products), though not every einsum layout
+# (`dot_f32`'s note). Off by default: it gave no layer-level gain (Ling3-Tiny MLA+MoE at T=512, warm: 0.53 s on vs
+# 0.51 s off; KDA+MoE not faster either; the routed experts alone, 128 x 3 weights at T=512: 0.42 s on vs 0.32 s off,
+# README "Performance"). A hang seen once when such a layer was loaded
+# from the persistent compilation cache did not reproduce (same bench child twice on one cache, and a minimal
+# fori-loop repro). False = always the upcast path of `dot_f32` (the readable reference); LING3_NATIVE_BF16=1 = on.
+NATIVE_BF16_MATMUL = os.environ.get("LING3_NATIVE_BF16", "0") == "1"
 
 
 def matmul_f32(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:

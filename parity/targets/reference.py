@@ -66,7 +66,8 @@ class ReferenceTarget(Target):
         from parity.jax_ling3.weights import convert_layer
 
         if self._place is None:  # stream: each converted array goes to the device at once (peak ≈ layer + one array)
-            self.params[i] = convert_layer(self.cfg, i, hf_tensors, self.dtype, put=jax.device_put)  # jnp.asarray would compile a `stage` per shape
+            # jax.device_put, not jnp.asarray: that compiles a `stage` per shape (36 compiles on the bundled dumps)
+            self.params[i] = convert_layer(self.cfg, i, hf_tensors, self.dtype, put=jax.device_put)
         else:  # the placer shards the whole layer tree at once
             self.params[i] = to_device(convert_layer(self.cfg, i, hf_tensors, self.dtype), self._place)
 
