@@ -33,5 +33,5 @@ def test_replay_compiles_per_layer_kind_not_per_weight(tmp_path):
     assert compiled, "no compile log lines: jax_log_compiles did not reach the log (the guard would pass vacuously)"
     # tiny-bf16: 3 layer kinds (KDA+dense, KDA+MoE, MLA+MoE) x (prefill, decode) = 6 layer functions
     assert compiled["decoder_layer"] <= 6, compiled
-    assert compiled["stage"] == 0, f"a per-array `stage` compile is back (weights uploaded with jnp.asarray?): {compiled}"
+    assert compiled["stage"] == 0, f"per-array `stage` compiles are back (weights put with jnp.asarray?): {compiled}"
     assert sum(compiled.values()) <= 30, compiled
