@@ -217,7 +217,9 @@ def _xdist_group(entry: DumpEntry, layer: int | None):
 
 
 def _dist_given(config: pytest.Config) -> bool:
-    args = list(config.invocation_params.args) + os.environ.get("PYTEST_ADDOPTS", "").split()
+    """Did the user choose xdist's --dist (command line, PYTEST_ADDOPTS or the ini file's addopts)?"""
+    args = (list(config.invocation_params.args) + os.environ.get("PYTEST_ADDOPTS", "").split()
+            + list(config.getini("addopts")))
     return any(a in ("-d", "--distload", "--dist") or a.startswith("--dist=") for a in args)
 
 
@@ -324,13 +326,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
     from parity.report import build_report, write_reports
 
     out_root = Path(config.getoption("--parity-report"))
-    built = []
+    built, skipped = [], []
     entries = {e.label: e for e in selected_dumps(config)}
     for label, recs in sorted(_RECORDS.items()):
         entry = entries.get(label)
         try:
             cfg = _session(config).reader(entry).config  # the reader the replay used: no second validation pass
-        except Exception:
+        except Exception as e:  # the tests already failed on an unreadable dump; say why it has no report
+            skipped.append(f"{label}: no report written ({e})")
             continue
         for r in recs:
             r.pop("dump", None)
@@ -339,15 +342,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
         path = write_reports(rep, out_root / label)
         built.append((rep, path))
     config._parity_built = built
+    config._parity_report_skipped = skipped
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     built = getattr(config, "_parity_built", None)
-    if not built:
+    skipped = getattr(config, "_parity_report_skipped", None)
+    if not built and not skipped:
         return
     from parity.report import summary_text
 
     terminalreporter.section("ling3-parity")
-    for rep, path in built:
+    for line in skipped or ():
+        terminalreporter.write_line(line)
+    for rep, path in built or ():
         terminalreporter.write_line(summary_text(rep))
         terminalreporter.write_line(f"  reports: {path}/report.{{json,md,html}}")

@@ -28,9 +28,9 @@ def dot_f32(eq: str, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
 # difference 1e-7 from the upcast path; 2-4.5x faster on isolated products), though not every einsum layout
 # (`dot_f32`'s note). Off by default: it gave no layer-level gain (Ling3-Tiny MLA+MoE at T=512, warm: 0.53 s on vs
 # 0.51 s off; KDA+MoE not faster either; the routed experts alone, 128 x 3 weights at T=512: 0.42 s on vs 0.32 s off,
-# README "Performance"). A hang seen once when such a layer was loaded
-# from the persistent compilation cache did not reproduce (same bench child twice on one cache, and a minimal
-# fori-loop repro). False = always the upcast path of `dot_f32` (the readable reference); LING3_NATIVE_BF16=1 = on.
+# README "Performance"). A hang seen once when such a layer was loaded from the persistent compilation cache did not
+# reproduce (same bench child twice on one cache, and a minimal fori-loop repro).
+# False = always the upcast path of `dot_f32` (the readable reference); LING3_NATIVE_BF16=1 turns it on.
 NATIVE_BF16_MATMUL = os.environ.get("LING3_NATIVE_BF16", "0") == "1"
 
 

@@ -169,6 +169,8 @@ class RulesTable:
     """Ordered entries; lookup is first-match-wins per field (module docstring)."""
 
     entries: tuple[RuleEntry, ...] = ()
+    # rule_for's results: a replay asks for the same few hundred keys thousands of times, and the table is immutable
+    _memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def _resolve(self, site: str, mode: str, dtype: str, compute_dtype: str | None) -> dict[str, tuple[Any, str]]:
         got: dict[str, tuple[Any, str]] = {}
@@ -180,12 +182,10 @@ class RulesTable:
 
     def rule_for(self, site: str, mode: str, dtype: str, compute_dtype: str | None = None) -> ToleranceRule:
         """The rule for one point. Raises ToleranceError if a required field is set by no matching entry."""
-        # A replay asks for the same few hundred keys thousands of times; the table is immutable, so memoise.
-        cache = self.__dict__.setdefault("_memo", {})
         key = (site, mode, dtype, compute_dtype)
-        if key not in cache:
-            cache[key] = self._rule_for(site, mode, dtype, compute_dtype)
-        return cache[key]
+        if key not in self._memo:
+            self._memo[key] = self._rule_for(site, mode, dtype, compute_dtype)
+        return self._memo[key]
 
     def _rule_for(self, site: str, mode: str, dtype: str, compute_dtype: str | None) -> ToleranceRule:
         got = self._resolve(site, mode, dtype, compute_dtype)

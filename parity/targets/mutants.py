@@ -31,7 +31,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from parity.targets.base import LayerResult
 from parity.targets.reference import ReferenceTarget
 
 
@@ -508,23 +507,6 @@ class MutantTarget(ReferenceTarget):
 
             self._jit = jax.jit(mutated_layer, static_argnames=("spec",))
         return self._jit
-
-    def layer_forward(self, i: int, hidden: np.ndarray, positions: np.ndarray, state: Any = None,
-                      forced_topk: np.ndarray | None = None) -> LayerResult:
-        import jax.numpy as jnp
-
-        from parity.jax_ling3.mla import init_mla_cache
-        from parity.jax_ling3.spec import dtype_of
-        from parity.targets.reference import DECODE_ROOM
-
-        spec = self.spec(i)
-        h = jnp.asarray(hidden, dtype_of(self.dtype))
-        B, T = h.shape[:2]
-        if state is None and spec.kind == "mla":
-            state = init_mla_cache(B, T + DECODE_ROOM, spec)
-        fi = None if forced_topk is None else jnp.asarray(forced_topk, jnp.int32)
-        out, pts, new_state = self._layer_fn()(self.params[i], h, jnp.asarray(positions, jnp.int32), spec, state, fi)
-        return LayerResult(np.asarray(out), {k: np.asarray(v) for k, v in pts.items()}, new_state)
 
 
 __all__ = ["Expected", "Mutation", "MUTATIONS", "MutantTarget", "patched"]

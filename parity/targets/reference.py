@@ -95,7 +95,6 @@ class ReferenceTarget(Target):
                       forced_topk: np.ndarray | None = None) -> LayerResult:
         import jax.numpy as jnp
 
-        from parity.jax_ling3.layer import decoder_layer_jit
         from parity.jax_ling3.mla import init_mla_cache
         from parity.jax_ling3.spec import dtype_of
 
@@ -105,8 +104,14 @@ class ReferenceTarget(Target):
         if state is None and spec.kind == "mla":
             state = init_mla_cache(B, T + DECODE_ROOM, spec)
         fi = None if forced_topk is None else jnp.asarray(forced_topk, jnp.int32)
-        out, pts, new_state = decoder_layer_jit(self.params[i], h, jnp.asarray(positions, jnp.int32), spec, state, fi)
+        out, pts, new_state = self._layer_fn()(self.params[i], h, jnp.asarray(positions, jnp.int32), spec, state, fi)
         return LayerResult(np.asarray(out), {k: np.asarray(v) for k, v in pts.items()}, new_state)
+
+    def _layer_fn(self):
+        """The jitted layer function `layer_forward` calls (a subclass may swap it, e.g. `mutants.MutantTarget`)."""
+        from parity.jax_ling3.layer import decoder_layer_jit
+
+        return decoder_layer_jit
 
     def submodule(self, i: int, site: str, inputs: dict[str, np.ndarray], state: dict[str, np.ndarray] | None = None
                   ) -> np.ndarray | None:
