@@ -131,6 +131,9 @@ class ParitySession:
             target.build(dump.config, dtype, mesh=mesh)
         else:
             target.build(dump.config, dtype)
+        if getattr(target, "needs_checkpoint_dir", False):  # protocol v2: ports that load from disk
+            target.use_checkpoint_dir(ckpt_dir, sorted(_parse_layers(self.config.getoption("--parity-layers"))
+                                                       or range(dump.config.num_hidden_layers)))
         ctx = ReplayContext(dump=dump, ckpt=CheckpointReader(ckpt_dir), target=target, rules=rules,
                             mode=self.config.getoption("--parity-mode"), dtype=dtype)
         self.contexts[entry.label] = ctx
@@ -339,6 +342,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
             r.pop("dump", None)
         rep = build_report(cfg, recs, dump=str(entry.path), target=config.getoption("--parity-target"),
                            mode=config.getoption("--parity-mode"))
+        ctx = _session(config).contexts.get(label)
+        if ctx is not None:  # protocol v2: what actually ran, in the report header
+            try:
+                rep["target_info"] = ctx.target.describe()
+            except Exception as e:  # noqa: BLE001 - a describe() must not lose the report
+                rep["target_info"] = {"error": f"describe() failed: {e}"}
         path = write_reports(rep, out_root / label)
         built.append((rep, path))
     config._parity_built = built

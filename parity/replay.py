@@ -45,8 +45,11 @@ def _steps(dump) -> list[tuple[str, int]]:
     return out
 
 
-def compare_point(ctx: ReplayContext, point: Point, test: np.ndarray | None) -> dict:
-    """One record: status pass/fail/missing/skipped + verdict statistics."""
+def compare_point(ctx: ReplayContext, point: Point, test: np.ndarray | None, transform=None,
+                  why_absent: str | None = None) -> dict:
+    """One record: status pass/fail/missing/skipped + verdict statistics. `transform` (protocol v2, a
+    `parity.targets.taps.Transform`) maps the dump's tensor into the form the target computed; `why_absent` is the
+    target's own reason when it produced no value."""
     from parity.numerics.compare import compare
 
     rec: dict = {"phase": point.phase, "step": point.step, "layer": point.layer, "site": point.site}
@@ -58,10 +61,14 @@ def compare_point(ctx: ReplayContext, point: Point, test: np.ndarray | None) -> 
             rec.update(status="missing", reason="the target produces this point but the dump lacks it")
         return rec
     if test is None:
-        rec.update(status="skipped", reason=f"target {ctx.target.name} does not produce this point")
+        rec.update(status="skipped", reason=f"target {ctx.target.name} does not produce this point"
+                   + (f" ({why_absent})" if why_absent else ""))
         return rec
     ref = ctx.dump.read(point)
     test = np.asarray(test)
+    if transform is not None:
+        ref, test = transform.apply(ref, test)
+        rec["transform"] = transform.note
     if test.shape != ref.shape:
         if test.size != ref.size:
             rec.update(status="fail", reason=f"shape mismatch: dump {ref.shape}, target {test.shape}",
@@ -175,13 +182,21 @@ def _group_margin(scores: np.ndarray, lost: list, gained: list, cfg) -> float:
 
 # ------------------------------------------------------------------------------------------------ engine
 def _compare_layer_points(ctx, cfg, phase, step, i, points: dict, forced_points: dict | None,
-                          bias) -> list[dict]:
+                          bias, transforms: dict | None = None, missing: dict | None = None) -> list[dict]:
     out = []
+    transforms, missing = transforms or {}, missing or {}
     topk_pt = Point(phase, step, i, "mlp.gate.topk_idx")
     routing = logits_rec = None
     if cfg.is_moe(i) and "mlp.gate.topk_idx" in points:
-        logits_rec = compare_point(ctx, Point(phase, step, i, "mlp.gate.logits"), points.get("mlp.gate.logits"))
-        routing, _ = routing_records(ctx, topk_pt, points["mlp.gate.topk_idx"], points.get("mlp.gate.logits"), bias,
+        lt = transforms.get("mlp.gate.logits")
+        logits_rec = compare_point(ctx, Point(phase, step, i, "mlp.gate.logits"), points.get("mlp.gate.logits"), lt,
+                                   missing.get("mlp.gate.logits"))
+        test_logits = points.get("mlp.gate.logits")
+        if lt is not None and lt.name == "router_scores" and test_logits is not None:
+            from parity.targets.taps import scores_to_logits
+
+            test_logits = scores_to_logits(test_logits)  # routing margins are estimated on logits
+        routing, _ = routing_records(ctx, topk_pt, points["mlp.gate.topk_idx"], test_logits, bias,
                                      cfg, logits_ok=logits_rec.get("status") in ("pass", "skipped"))
     for site in sites_for_config(cfg, i) + (("attention.dense:in",) if cfg.layer_kind(i) == "mla" else ()):
         pt = Point(phase, step, i, site)
@@ -195,7 +210,7 @@ def _compare_layer_points(ctx, cfg, phase, step, i, points: dict, forced_points:
         if (routing is not None and routing["status"] == "benign" and forced_points is not None
                 and site in ROUTER_DOWNSTREAM):
             src = forced_points  # expert maths compared on the reference's experts
-        rec = compare_point(ctx, pt, src.get(site))
+        rec = compare_point(ctx, pt, src.get(site), transforms.get(site), missing.get(site))
         if src is forced_points:
             rec["forced_routing"] = True
         out.append(rec)
@@ -236,7 +251,8 @@ def replay_layer(ctx: ReplayContext, i: int) -> list[dict]:
                 fres = ctx.target.layer_forward(i, hidden, positions, prev_state, forced_topk=ref_topk)
                 forced_pts = dict(fres.points)
                 forced_pts.setdefault("output", fres.output)
-            records += _compare_layer_points(ctx, cfg, phase, step, i, pts, forced_pts, bias)
+            records += _compare_layer_points(ctx, cfg, phase, step, i, pts, forced_pts, bias,
+                                             getattr(res, "transforms", None), getattr(res, "missing", None))
     finally:
         ctx.target.unload_layer(i)
     return records
@@ -299,7 +315,8 @@ def replay_free(ctx: ReplayContext, progress: Callable[[str], None] | None = Non
             pts = dict(res.points)
             pts.setdefault("output", res.output)
             pts.setdefault("input", h)
-            records += _compare_layer_points(ctx, cfg, phase, step, i, pts, None, bias)
+            records += _compare_layer_points(ctx, cfg, phase, step, i, pts, None, bias,
+                                             getattr(res, "transforms", None), getattr(res, "missing", None))
             hiddens[(phase, step)] = res.output
         ctx.target.unload_layer(i)
         if progress:
@@ -342,6 +359,8 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
 
             mesh = mesh_from_spec(mesh)
         target.build(dump.config, dtype, **({"mesh": mesh} if mesh is not None else {}))
+        if getattr(target, "needs_checkpoint_dir", False):  # protocol v2: ports that load from disk
+            target.use_checkpoint_dir(Path(ckpt_dir), None if layers is None else list(layers))
         ctx = ReplayContext(dump=dump, ckpt=CheckpointReader(Path(ckpt_dir)), target=target,
                             rules=rules or default_rules(), mode=mode, dtype=dtype)
         if mode == "free":
@@ -360,7 +379,10 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
                     if progress:
                         progress(f"layer {i}")
             records += replay_model_points(ctx)
-        return build_report(dump.config, records, dump=str(dump_path), target=getattr(target, "name", "?"),
-                            mode=mode)
+        rep = build_report(dump.config, records, dump=str(dump_path), target=getattr(target, "name", "?"),
+                           mode=mode)
+        if hasattr(target, "describe"):
+            rep["target_info"] = target.describe()  # protocol v2: what actually ran
+        return rep
     finally:
         dump.close()

@@ -109,22 +109,28 @@ class _Recorder:
         self.values: dict[int, list[np.ndarray]] = {}
 
     def add(self, key: int, value) -> None:
-        self.values.setdefault(key, []).append(np.asarray(value).copy())
+        import jax
+
+        self.values.setdefault(key, []).append(jax.tree.map(lambda a: np.asarray(a).copy(), value))
 
 
-_ACTIVE: list[_Recorder] = []  # the innermost `TapSet.record()`; callbacks outside one are dropped
+# The `TapSet.record()` blocks in progress, as (tap-set id, recorder); a callback goes to the innermost recorder of
+# its own tap set and is dropped outside one (several tap sets may patch the same function).
+_ACTIVE: list[tuple[int, _Recorder]] = []
 _BOUND: list[dict[int, str]] = []  # id(module) -> path below the root, for the trace in progress
 
 
-def _emit(key: int, value) -> None:
-    if _ACTIVE:
-        _ACTIVE[-1].add(key, value)
+def _emit(owner: int, key: int, value) -> None:
+    for tid, rec in reversed(_ACTIVE):
+        if tid == owner:
+            rec.add(key, value)
+            return
 
 
-def _callback(key: int, value) -> None:
+def _callback(owner: int, key: int, value) -> None:
     import jax
 
-    jax.debug.callback(functools.partial(_emit, key), value, ordered=True)
+    jax.debug.callback(functools.partial(_emit, owner, key), value, ordered=True)
 
 
 @dataclass
@@ -179,20 +185,17 @@ class TapSet:
         for owner, attr, orig in reversed(self._patched):
             setattr(owner, attr, orig)
         self._patched.clear()
-        for cls, orig in getattr(self, "_class_patches", {}).items():
-            cls.__call__ = orig
-        self._class_patches = {}
 
     def _wrap_function(self, orig, keys: list[int], spec: str):
         fn = orig.__func__ if isinstance(orig, (staticmethod, classmethod)) else orig
-        taps = self.taps
+        taps, tid = self.taps, id(self)
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             out = fn(*args, **kwargs)
             sel_args = args[1:] if _is_method(spec) else args
             for k in keys:
-                _callback(k, _select(taps[k], fn, sel_args, kwargs, out))
+                _callback(tid, k, _select(taps[k], fn, sel_args, kwargs, out))
             return out
 
         if isinstance(orig, staticmethod):
@@ -219,31 +222,28 @@ class TapSet:
         if unknown:
             raise ValueError(f"tap map names module path(s) {unknown} that {type(root).__name__} does not have "
                              f"(it has: {sorted(found)})")
-        self._class_patches = getattr(self, "_class_patches", {})
         for path, node in nnx.iter_graph(root):
             p = ".".join(str(x) for x in path)
             if isinstance(node, nnx.Module) and any(self.taps[k].module == p for k in self._module_keys):
-                cls = type(node)
-                if cls not in self._class_patches:
-                    self._class_patches[cls] = cls.__call__
-                    cls.__call__ = self._wrap_module_call(cls.__call__)
-        _BOUND.append(paths)
+                _patch_class(type(node), self._wrap_module_call)
+        _BOUND.append({"paths": paths, "tapset": self})
         try:
             yield
         finally:
             _BOUND.pop()
 
-    def _wrap_module_call(self, orig):
-        taps, keys = self.taps, self._module_keys
-
+    @staticmethod
+    def _wrap_module_call(orig):
         @functools.wraps(orig)
         def wrapper(mod, *args, **kwargs):
             out = orig(mod, *args, **kwargs)
-            path = _BOUND[-1].get(id(mod)) if _BOUND else None
+            bound = _BOUND[-1] if _BOUND else None
+            path = bound["paths"].get(id(mod)) if bound else None
             if path is not None:
-                for k in keys:
-                    if taps[k].module == path:
-                        _callback(k, _select(taps[k], orig, args, kwargs, out))
+                ts = bound["tapset"]
+                for k in ts._module_keys:
+                    if ts.taps[k].module == path:
+                        _callback(id(ts), k, _select(ts.taps[k], orig, args, kwargs, out))
             return out
 
         return wrapper
@@ -257,12 +257,13 @@ class TapSet:
 
         rec = _Recorder()
         cap = Captured()
-        _ACTIVE.append(rec)
+        entry = (id(self), rec)
+        _ACTIVE.append(entry)
         try:
             yield cap
             jax.effects_barrier()
         finally:
-            _ACTIVE.remove(rec)
+            _ACTIVE.remove(entry)
         ctx = dict(ctx or {})
         for k, t in enumerate(self.taps):
             if phase not in t.phases:
@@ -284,6 +285,18 @@ class TapSet:
         """The tap map as data (for a report header)."""
         return [{"site": t.site, "from": t.target, "take": t.take, "call": t.call, "phases": list(t.phases),
                  **({"transform": t.transform.note} if t.transform else {})} for t in self.taps]
+
+
+# Module classes get one class-level `__call__` wrapper for the process (shared by every tap set): it reports only
+# for instances bound by the innermost `TapSet.bind`, so an untapped call costs one dict lookup.
+_CLASS_PATCHED: set[type] = set()
+
+
+def _patch_class(cls: type, make_wrapper) -> None:
+    if cls in _CLASS_PATCHED:
+        return
+    cls.__call__ = make_wrapper(cls.__call__)
+    _CLASS_PATCHED.add(cls)
 
 
 def _is_method(spec: str) -> bool:
