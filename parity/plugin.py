@@ -17,8 +17,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BUNDLED_DUMPS = ROOT / "dumps"
-BUNDLED_CKPTS = ROOT / "dumps" / "ckpt"
+
+
+def _bundled_dir() -> Path:
+    """The bundled dumps: `dumps/` of this checkout, else where a non-editable install put them
+    (<prefix>/share/ling3-parity/dumps, pyproject `data-files`)."""
+    import sys
+
+    here = ROOT / "dumps"
+    if here.is_dir():
+        return here
+    for prefix in (sys.prefix, sys.base_prefix):
+        p = Path(prefix) / "share" / "ling3-parity" / "dumps"
+        if p.is_dir():
+            return p
+    return here
+
+
+BUNDLED_DUMPS = _bundled_dir()
+BUNDLED_CKPTS = BUNDLED_DUMPS / "ckpt"
 RECORD_KEY = "parity_record"
 
 
@@ -36,7 +53,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--parity-tolerances", default=None, help="TOML tolerance rules merged over the defaults")
     g.addoption("--parity-tol", action="append", default=[],
                 help="one rule override, e.g. 'mlp.*:layer:bfloat16:max_ulps=8,hard_ulps=64' (repeatable)")
-    g.addoption("--parity-report", default=str(ROOT / "reports"), help="report directory (one subdirectory per dump)")
+    g.addoption("--parity-report", default="reports",
+                help="report directory (one subdirectory per dump); default ./reports of the current directory")
     g.addoption("--parity-mesh", default=None,
                 help="shard the target's layer params over a device mesh: auto | N | EXPERTSxHEADS (e.g. 4x2)")
     g.addoption("--parity-layers", default=None, help="layers to replay, e.g. 0-3,7 (default all)")
