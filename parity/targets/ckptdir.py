@@ -16,8 +16,10 @@ from parity.errors import ParityError
 
 
 def layer_checkpoint(src: str | Path, out: str | Path, layers: list[int] | None = None,
-                     drop_keys: tuple[str, ...] = ("auto_map",)) -> Path:
-    """Write the trimmed checkpoint to `out` (created; must not already hold a config.json) and return it."""
+                     drop_keys: tuple[str, ...] = ("auto_map",), widen_bf16: bool = False) -> Path:
+    """Write the trimmed checkpoint to `out` (created; must not already hold a config.json) and return it.
+    `widen_bf16`: store BF16 tensors as F32 (exact: bf16 is the top half of an fp32), for a port that runs an fp32
+    model but cannot cast bf16 weights on load; the config's `torch_dtype` then says float32."""
     src, out = Path(src), Path(out)
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
@@ -28,6 +30,8 @@ def layer_checkpoint(src: str | Path, out: str | Path, layers: list[int] | None 
     cfg = json.loads(cfg_path.read_text())
     for k in drop_keys:
         cfg.pop(k, None)
+    if widen_bf16:
+        cfg["torch_dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     files = sorted(src.glob("*.safetensors"))
     if not files:
@@ -41,14 +45,16 @@ def layer_checkpoint(src: str | Path, out: str | Path, layers: list[int] | None 
 
     index: dict[str, str] = {}
     for f in files:
-        kept = _copy_tensors(f, out / f.name, keep)
+        kept = _copy_tensors(f, out / f.name, keep, widen_bf16)
         index.update({k: f.name for k in kept})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=1))
     return out
 
 
-def _copy_tensors(src: Path, dst: Path, keep) -> list[str]:
+def _copy_tensors(src: Path, dst: Path, keep, widen_bf16: bool = False) -> list[str]:
     import struct
+
+    import numpy as np
 
     with open(src, "rb") as h:
         raw = h.read(8)
@@ -68,7 +74,11 @@ def _copy_tensors(src: Path, dst: Path, keep) -> list[str]:
             b, e = info["data_offsets"]
             h.seek(base + b)
             data = h.read(e - b)
-            new_header[key] = {"dtype": info["dtype"], "shape": info["shape"], "data_offsets": [off, off + len(data)]}
+            dtype = info["dtype"]
+            if widen_bf16 and dtype == "BF16":  # bf16 bits -> the fp32 with the same top 16 bits (exact)
+                data = (np.frombuffer(data, "<u2").astype("<u4") << 16).tobytes()
+                dtype = "F32"
+            new_header[key] = {"dtype": dtype, "shape": info["shape"], "data_offsets": [off, off + len(data)]}
             chunks.append(data)
             off += len(data)
     if not new_header:

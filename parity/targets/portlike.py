@@ -387,6 +387,8 @@ class PortlikeTarget(Target):
         from parity.jax_ling3.spec import dtype_name, dtype_of
 
         self.cfg, self.dtype = config, dtype_name(dtype_of(dtype))
+        for i in range(self.cfg.num_hidden_layers):  # every function patch in place before the port's first trace
+            self.taps(i)
 
     def use_checkpoint_dir(self, path, layers=None) -> None:
         from parity.jax_ling3.weights import CheckpointReader

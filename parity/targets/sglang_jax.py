@@ -222,7 +222,14 @@ class SglangJaxTarget(Target):
 
         self._tmp = tempfile.TemporaryDirectory(prefix="parity-sglj-")
         self.ckpt_dir = str(path)
-        trimmed = layer_checkpoint(path, self._tmp.name, None)
+        # fp32 dumps: the port's loader cannot cast the stacked bf16 MoE weights to an fp32 model under jax 0.10
+        # (`astype` on the expert mesh inside the data/tensor mesh context raises); the copy holds the bf16
+        # weights widened to fp32 (exact), so nothing needs casting.
+        widen = self.dtype == "float32"
+        if widen:
+            self.workarounds.append("fp32: checkpoint copy with bf16 weights widened to fp32 (the port's MoE loader "
+                                    "cannot cast bf16 to an fp32 model under jax 0.10 explicit meshes)")
+        trimmed = layer_checkpoint(path, self._tmp.name, None, widen_bf16=widen)
         self.mesh = create_device_mesh(ici_parallelism=[1, -1], dcn_parallelism=[1, 1])
         self.jdtype = jnp.bfloat16 if self.dtype == "bfloat16" else jnp.float32
         mc = ModelConfig(str(trimmed), trust_remote_code=False, dtype=self.dtype, moe_backend="epmoe")
@@ -234,6 +241,8 @@ class SglangJaxTarget(Target):
             self.model.load_weights(mc)
         self.hf = hf
         self.mc = mc
+        for i in range(self.cfg.num_hidden_layers):  # every function patch in place before the port's first trace
+            self.taps(i)
 
     def describe(self) -> dict:
         import importlib.metadata as md

@@ -83,14 +83,12 @@ class Tap:
         return f"module {self.module or '<root>'}" if self.module is not None else f"function {self.function}"
 
 
-def _select(tap: Tap, fn: Callable | None, args: tuple, kwargs: dict, out: Any):
-    kind, idx = _TAKE.match(tap.take).groups()
+def _select_take(name: str, take: str, fn: Callable | None, args: tuple, kwargs: dict, out: Any):
+    kind, idx = _TAKE.match(take).groups()
     if kind == "out":
-        if idx is None:
-            return out
-        return out[int(idx)]
+        return out if idx is None else out[int(idx)]
     if idx is None:
-        raise ValueError(f"tap {tap.site!r}: take='in' needs an index or a name")
+        raise ValueError(f"tap on {name}: take='in' needs an index or a name")
     if idx.isdigit():
         return args[int(idx)]
     if idx in kwargs:
@@ -99,38 +97,43 @@ def _select(tap: Tap, fn: Callable | None, args: tuple, kwargs: dict, out: Any):
     try:
         return args[params.index(idx)]
     except (ValueError, IndexError):
-        raise ValueError(f"tap {tap.site!r}: {tap.target} has no argument {idx!r} in this call") from None
+        raise ValueError(f"tap on {name}: no argument {idx!r} in this call") from None
 
 
 class _Recorder:
-    """Run-time sink of the callbacks: values per (tap index), in arrival (= execution) order."""
+    """Run-time sink of the callbacks: values per stable key (see `_key`), in arrival (= execution) order."""
 
     def __init__(self) -> None:
-        self.values: dict[int, list[np.ndarray]] = {}
+        self.values: dict[str, list[np.ndarray]] = {}
 
-    def add(self, key: int, value) -> None:
+    def add(self, key: str, value) -> None:
         import jax
 
         self.values.setdefault(key, []).append(jax.tree.map(lambda a: np.asarray(a).copy(), value))
 
 
-# The `TapSet.record()` blocks in progress, as (tap-set id, recorder); a callback goes to the innermost recorder of
-# its own tap set and is dropped outside one (several tap sets may patch the same function).
-_ACTIVE: list[tuple[int, _Recorder]] = []
-_BOUND: list[dict[int, str]] = []  # id(module) -> path below the root, for the trace in progress
+# Keys name *what* is read, not which tap set asked: "fn:<spec>|<take>" or "mod:<path>|<take>". A port's inner jit
+# (sglang-jax's `chunk_kda_fwd`) is traced once per process and its cached trace keeps the callbacks it was traced
+# with, so they must mean the same thing to every tap set (one per layer kind) that later records a run.
+_ACTIVE: list[_Recorder] = []  # the `TapSet.record()` blocks in progress; a callback goes to the innermost one
+_BOUND: list[dict] = []  # {"paths": id(module) -> path, "tapset": TapSet} for the trace in progress
+_FN_TAKES: dict[str, set[str]] = {}  # patched function spec -> the takes any installed tap set reads from it
+_FN_ORIG: dict[str, tuple[Any, str, Any]] = {}  # patched function spec -> (owner, attr, original)
 
 
-def _emit(owner: int, key: int, value) -> None:
-    for tid, rec in reversed(_ACTIVE):
-        if tid == owner:
-            rec.add(key, value)
-            return
+def _key(tap: "Tap") -> str:
+    return f"fn:{tap.function}|{tap.take}" if tap.function is not None else f"mod:{tap.module}|{tap.take}"
 
 
-def _callback(owner: int, key: int, value) -> None:
+def _emit(key: str, value) -> None:
+    if _ACTIVE:
+        _ACTIVE[-1].add(key, value)
+
+
+def _callback(key: str, value) -> None:
     import jax
 
-    jax.debug.callback(functools.partial(_emit, owner, key), value, ordered=True)
+    jax.debug.callback(functools.partial(_emit, key), value, ordered=True)
 
 
 @dataclass
@@ -145,12 +148,12 @@ class Captured:
 
 
 class TapSet:
-    """A tap map installed into a port. `install()` patches the port's classes / functions (idempotent, undone by
-    `uninstall()`); `bind(root)` names the module instances of the layer being traced; `record(phase, ctx)` collects
-    one run's values. Typical use inside a target:
+    """A tap map installed into a port. `install()` patches the port's functions (once per process per function,
+    shared by all tap sets; `uninstall_all()` undoes it); `bind(root)` names the module instances of the layer
+    being traced; `record(phase, ctx)` collects one run's values. Typical use inside a target:
 
-        taps.install()                                   # once, before the port's first call
-        with taps.record("prefill", {"slot": 1}) as cap:
+        taps.install()                                   # before the port's first call
+        with taps.record("prefill", {"slots": ...}) as cap:
             out = jitted_layer(...)                      # the jitted function calls `taps.bind(layer)` inside
         cap.points  # {site: np.ndarray}
     """
@@ -161,48 +164,24 @@ class TapSet:
         dup = {s for s in sites if sites.count(s) > 1}
         if dup:
             raise ValueError(f"tap map names a site twice for one phase: {sorted(dup)}")
-        self._patched: list[tuple[Any, str, Any]] = []
+        self._module_taps = [t for t in self.taps if t.module is not None]
 
     # ------------------------------------------------------------------ install
     def install(self) -> "TapSet":
-        if self._patched:
-            return self
-        by_fn: dict[str, list[int]] = {}
-        by_cls: dict[type, None] = {}
-        for k, t in enumerate(self.taps):
-            if t.function is not None:
-                by_fn.setdefault(t.function, []).append(k)
-        for spec, keys in by_fn.items():
-            owner, attr = _resolve(spec)
-            orig = inspect.getattr_static(owner, attr)
-            self._patched.append((owner, attr, orig))
-            setattr(owner, attr, self._wrap_function(orig, keys, spec))
-        self._module_keys = [k for k, t in enumerate(self.taps) if t.module is not None]
-        self._module_classes = by_cls
+        for t in self.taps:
+            if t.function is None:
+                continue
+            _FN_TAKES.setdefault(t.function, set()).add(t.take)
+            if t.function not in _FN_ORIG:
+                owner, attr = _resolve(t.function)
+                orig = inspect.getattr_static(owner, attr)
+                _FN_ORIG[t.function] = (owner, attr, orig)
+                setattr(owner, attr, _wrap_function(orig, t.function))
         return self
 
     def uninstall(self) -> None:
-        for owner, attr, orig in reversed(self._patched):
-            setattr(owner, attr, orig)
-        self._patched.clear()
-
-    def _wrap_function(self, orig, keys: list[int], spec: str):
-        fn = orig.__func__ if isinstance(orig, (staticmethod, classmethod)) else orig
-        taps, tid = self.taps, id(self)
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            sel_args = args[1:] if _is_method(spec) else args
-            for k in keys:
-                _callback(tid, k, _select(taps[k], fn, sel_args, kwargs, out))
-            return out
-
-        if isinstance(orig, staticmethod):
-            return staticmethod(wrapper)
-        if isinstance(orig, classmethod):
-            return classmethod(wrapper)
-        return wrapper
+        """Undo every function patch of the process (tap sets share them)."""
+        uninstall_all()
 
     # ------------------------------------------------------------------ modules
     @contextlib.contextmanager
@@ -218,35 +197,19 @@ class TapSet:
                 p = ".".join(str(x) for x in path)
                 paths.setdefault(id(node), p)
                 found.add(p)
-        unknown = sorted({self.taps[k].module for k in self._module_keys} - found)
+        unknown = sorted({t.module for t in self._module_taps} - found)
         if unknown:
             raise ValueError(f"tap map names module path(s) {unknown} that {type(root).__name__} does not have "
                              f"(it has: {sorted(found)})")
         for path, node in nnx.iter_graph(root):
             p = ".".join(str(x) for x in path)
-            if isinstance(node, nnx.Module) and any(self.taps[k].module == p for k in self._module_keys):
-                _patch_class(type(node), self._wrap_module_call)
+            if isinstance(node, nnx.Module) and any(t.module == p for t in self._module_taps):
+                _patch_class(type(node), _wrap_module_call)
         _BOUND.append({"paths": paths, "tapset": self})
         try:
             yield
         finally:
             _BOUND.pop()
-
-    @staticmethod
-    def _wrap_module_call(orig):
-        @functools.wraps(orig)
-        def wrapper(mod, *args, **kwargs):
-            out = orig(mod, *args, **kwargs)
-            bound = _BOUND[-1] if _BOUND else None
-            path = bound["paths"].get(id(mod)) if bound else None
-            if path is not None:
-                ts = bound["tapset"]
-                for k in ts._module_keys:
-                    if ts.taps[k].module == path:
-                        _callback(id(ts), k, _select(ts.taps[k], orig, args, kwargs, out))
-            return out
-
-        return wrapper
 
     # ------------------------------------------------------------------ run
     @contextlib.contextmanager
@@ -257,18 +220,17 @@ class TapSet:
 
         rec = _Recorder()
         cap = Captured()
-        entry = (id(self), rec)
-        _ACTIVE.append(entry)
+        _ACTIVE.append(rec)
         try:
             yield cap
             jax.effects_barrier()
         finally:
-            _ACTIVE.remove(entry)
+            _ACTIVE.remove(rec)
         ctx = dict(ctx or {})
-        for k, t in enumerate(self.taps):
+        for t in self.taps:
             if phase not in t.phases:
                 continue
-            vals = rec.values.get(k, [])
+            vals = rec.values.get(_key(t), [])
             if len(vals) <= t.call:
                 cap.missing[t.site] = (f"{t.target} ran {len(vals)} time(s) in this {phase} call, tap wants call "
                                        f"#{t.call}")
@@ -287,12 +249,55 @@ class TapSet:
                  **({"transform": t.transform.note} if t.transform else {})} for t in self.taps]
 
 
+def _wrap_function(orig, spec: str):
+    """The patched function: calls the original, then reports every take any tap set registered for it (read at
+    trace time, so a take added later reaches every trace made after it)."""
+    fn = orig.__func__ if isinstance(orig, (staticmethod, classmethod)) else orig
+    method = _is_method(spec)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        sel_args = args[1:] if method else args
+        for take in sorted(_FN_TAKES.get(spec, ())):
+            _callback(f"fn:{spec}|{take}", _select_take(spec, take, fn, sel_args, kwargs, out))
+        return out
+
+    if isinstance(orig, staticmethod):
+        return staticmethod(wrapper)
+    if isinstance(orig, classmethod):
+        return classmethod(wrapper)
+    return wrapper
+
+
+def _wrap_module_call(orig):
+    @functools.wraps(orig)
+    def wrapper(mod, *args, **kwargs):
+        out = orig(mod, *args, **kwargs)
+        bound = _BOUND[-1] if _BOUND else None
+        path = bound["paths"].get(id(mod)) if bound else None
+        if path is not None:
+            for take in sorted({t.take for t in bound["tapset"]._module_taps if t.module == path}):
+                _callback(f"mod:{path}|{take}", _select_take(path, take, orig, args, kwargs, out))
+        return out
+
+    return wrapper
+
+
+def uninstall_all() -> None:
+    """Restore every function the tap sets of this process patched."""
+    for spec, (owner, attr, orig) in list(_FN_ORIG.items()):
+        setattr(owner, attr, orig)
+    _FN_ORIG.clear()
+    _FN_TAKES.clear()
+
+
 # Module classes get one class-level `__call__` wrapper for the process (shared by every tap set): it reports only
 # for instances bound by the innermost `TapSet.bind`, so an untapped call costs one dict lookup.
 _CLASS_PATCHED: set[type] = set()
 
 
-def _patch_class(cls: type, make_wrapper) -> None:
+def _patch_class(cls: type, make_wrapper) -> None:  # noqa: D103
     if cls in _CLASS_PATCHED:
         return
     cls.__call__ = make_wrapper(cls.__call__)
@@ -346,4 +351,5 @@ def reshape_to(shape_fn: Callable[[dict], tuple[int, ...]]) -> Callable[[np.ndar
     return f
 
 
-__all__ = ["Tap", "TapSet", "Transform", "Captured", "ROUTER_SCORES", "scores_to_logits", "reshape_to"]
+__all__ = ["Tap", "TapSet", "Transform", "Captured", "ROUTER_SCORES", "scores_to_logits", "reshape_to",
+           "uninstall_all"]
