@@ -30,10 +30,16 @@ def parse_pieces(text: str, total: int) -> list[int]:
     return pieces
 
 
-def replay_layer_pieces(ctx, i: int, pieces: list[int]) -> list[dict]:
-    """Records for layer i's prefill points, computed piecewise; each record carries `pieces`."""
+def replay_layer_pieces(ctx, i: int, pieces: list[int], against: str = "dump") -> list[dict]:
+    """Records for layer i's prefill points, computed piecewise; each record carries `pieces`.
+
+    against="dump": compared with the dumped single prefill (the reference). against="self": compared with the
+    target's own single prefill over all T tokens (same rules) — isolates the serving path (state carried between
+    pieces) from any departure the target also has in one piece."""
     from parity.replay import compare_point
 
+    if against not in ("dump", "self"):
+        raise ValueError(f"against={against!r}: expected 'dump' or 'self'")
     dump, target = ctx.dump, ctx.target
     cfg = dump.config
     hidden = dump.read(Point("prefill", 0, i, "input"))
@@ -42,6 +48,9 @@ def replay_layer_pieces(ctx, i: int, pieces: list[int]) -> list[dict]:
         raise ValueError(f"pieces {pieces} do not add up to the dumped prefill length {T}")
     target.load_layer(i, ctx.ckpt.hf_tensors(i))
     try:
+        whole = None
+        if against == "self":
+            whole = target.layer_forward(i, hidden, np.arange(T), None)
         state, start = None, 0
         token_pts: dict[str, list[np.ndarray]] = {}
         last = None
@@ -68,11 +77,39 @@ def replay_layer_pieces(ctx, i: int, pieces: list[int]) -> list[dict]:
         else:
             parts = token_pts.get(site)
             test = None if parts is None or len(parts) != len(pieces) else np.concatenate(parts, axis=1)
-        rec = compare_point(ctx, pt, test, last.transforms.get(site) if last else None,
-                            (last.missing or {}).get(site) if last else None)
+        if against == "dump":
+            rec = compare_point(ctx, pt, test, last.transforms.get(site) if last else None,
+                                (last.missing or {}).get(site) if last else None)
+        else:
+            rec = _compare_self(ctx, pt, test, whole)
         rec["pieces"] = label
+        rec["against"] = against
         out.append(rec)
     return out
+
+
+def _compare_self(ctx, pt: Point, test, whole) -> dict:
+    """The pieces' value against the target's own one-shot value, with the rule of the point's dump dtype."""
+    from parity.numerics.compare import compare
+
+    rec = {"phase": pt.phase, "step": pt.step, "layer": pt.layer, "site": pt.site}
+    ref = whole.points.get(pt.site, whole.output if pt.site == "output" else None)
+    if test is None or ref is None:
+        rec.update(status="skipped", reason=f"target {ctx.target.name} does not produce this point")
+        return rec
+    ref, test = np.asarray(ref), np.asarray(test)
+    if ref.shape != test.shape:
+        rec.update(status="fail", reason=f"shape {test.shape} in pieces vs {ref.shape} in one prefill")
+        return rec
+    dtype = ctx.dump.dtype(pt) if ctx.dump.has(pt) else str(ref.dtype)
+    rule = ctx.rules.rule_for(pt.site, "layer", dtype, ctx.dtype)
+    if np.issubdtype(ref.dtype, np.integer):
+        rec["status"] = "pass" if np.array_equal(ref, test) else "fail"
+        return rec
+    v = compare(ref.astype(np.float32), test.astype(np.float32), rule, name=f"{pt.key()} (pieces vs one prefill)")
+    rec.update(v.to_dict())
+    rec["status"] = "pass" if v.passed else "fail"
+    return rec
 
 
 __all__ = ["replay_layer_pieces", "parse_pieces", "STATE_SITES"]

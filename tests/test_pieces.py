@@ -80,3 +80,17 @@ def test_parse_pieces():
     assert parse_pieces("98+decode", 100) == [98, 1, 1]
     with pytest.raises(ValueError, match="adding up to the prompt length 100"):
         parse_pieces("40+50", 100)
+
+
+def test_pieces_against_self_isolates_the_serving_path():
+    """A target that is wrong in one piece (the softplus-gate variant) still carries its state correctly: against
+    its own one-shot prefill it passes, against the dump it fails."""
+    pytest.importorskip("flax")
+    from parity.pieces import replay_layer_pieces
+    from parity.targets.portlike import PortlikeTarget
+
+    ctx = _ctx("tiny-fp32.h5", PortlikeTarget("softplus_gate"))
+    own = replay_layer_pieces(ctx, 1, [40, 60], against="self")
+    assert {r["status"] for r in own} == {"pass"}, [(r["site"], r["status"]) for r in own if r["status"] != "pass"]
+    dump = {r["site"]: r["status"] for r in replay_layer_pieces(ctx, 1, [40, 60], against="dump")}
+    assert dump["attention.gate"] == "fail"
