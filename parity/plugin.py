@@ -174,8 +174,9 @@ def parity_params(config: pytest.Config) -> list:
 
 def _xdist_group(entry: DumpEntry, layer: int | None):
     """One replay serves every point of a (dump, layer): with -n, its tests run on one worker (under xdist's default
-    `load` each worker would replay every layer again). Honoured under `--dist loadgroup`, which `pytest_configure`
-    selects. Per layer, not per dump, so a big dump's layers still spread over the workers."""
+    `load` each worker would replay every layer again). The mark serves an explicit `--dist loadgroup` where pytest
+    keeps xdist's id suffix (< 9.2); by default the scheduler reads the same group from the test id
+    (parity/xdist_groups.py). Per layer, not per dump, so a big dump's layers still spread over the workers."""
     return pytest.mark.xdist_group(f"parity:{entry.label}:{'model' if layer is None else f'L{layer:02d}'}")
 
 
@@ -191,12 +192,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "parity_layer(i): a parity test of layer i")
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one xdist worker (pytest-xdist)")
     config._parity_records = {}
-    if getattr(config.option, "dist", "no") == "load" and not _dist_given(config):
-        # xdist's default for -n spreads a layer's points over all workers, and each worker then replays that layer;
-        # loadgroup keeps a (dump, layer) on one worker and schedules ungrouped tests exactly like load.
-        config.option.dist = "loadgroup"
-    if getattr(config, "workerinput", {}).get("parity_loadgroup"):
-        config.option.loadgroup = True  # a worker parses the original args (no --dist): tell it, as xdist would
+    # xdist's default for -n (`load`) spreads a layer's points over all workers, and each worker then replays that
+    # layer: group them per (dump, layer) instead (parity/xdist_groups.py); another explicit --dist is the user's.
+    dist = getattr(config.option, "dist", "no")
+    config._parity_group_layers = (dist == "load" and not _dist_given(config)) or dist == "loadgroup"
     spec = config.getoption("--parity-mesh", default=None)
     if spec:  # a bad mesh is one usage error up front, not a failure in every test
         from parity.jax_ling3.sharding import mesh_from_spec
@@ -208,10 +207,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node) -> None:
-    """xdist controller: a worker tags each test id with its group only under loadgroup (see pytest_configure)."""
-    if node.config.getvalue("dist") == "loadgroup":
-        node.workerinput["parity_loadgroup"] = True
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """xdist controller: the scheduler that keeps a (dump, layer) on one worker (xdist's loadgroup alone no longer
+    does on pytest >= 9.2, see parity/xdist_groups.py)."""
+    if getattr(config, "_parity_group_layers", False):
+        from parity.xdist_groups import ParityGroupScheduling
+
+        return ParityGroupScheduling(config, log)
+    return None
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
