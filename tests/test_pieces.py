@@ -11,19 +11,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _ctx(dump: str, target):
-    from parity.dumpfile import DumpReader
-    from parity.jax_ling3.weights import CheckpointReader
-    from parity.numerics.tolerances import default_rules
-    from parity.plugin import find_checkpoint
-    from parity.replay import ReplayContext
+    from parity.replay import Session
 
-    d = DumpReader(REPO / "dumps" / dump)
-    ck = find_checkpoint(d.fingerprint, None)
-    dtype = d.meta.get("compute_dtype", "bfloat16")
-    target.build(d.config, dtype)
-    if getattr(target, "needs_checkpoint_dir", False):
-        target.use_checkpoint_dir(ck)
-    return ReplayContext(dump=d, ckpt=CheckpointReader(ck), target=target, rules=default_rules(), dtype=dtype)
+    return Session.open(REPO / "dumps" / dump, target=target)
 
 
 def _targets():
@@ -46,7 +36,7 @@ def _targets():
 def test_pieces_match_one_prefill(target_cls, layer, pieces):
     """tiny-fp32 has a 100-token prompt: the official KDA ran its chunked kernel over all of it; here pieces of
     <= 64 tokens run the recurrent kernel and carry state, and must land on the same points and final state."""
-    from parity.pieces import parse_pieces, replay_layer_pieces
+    from parity.replay.pieces import parse_pieces, replay_layer_pieces
 
     ctx = _ctx("tiny-fp32.h5", target_cls())
     recs = replay_layer_pieces(ctx, layer, parse_pieces(pieces, int(ctx.dump.prompt_len)))
@@ -58,7 +48,7 @@ def test_pieces_match_one_prefill(target_cls, layer, pieces):
 
 def test_pieces_catch_a_target_that_drops_state_between_pieces():
     """The mode can fail: a target that starts every piece from an empty state diverges from the second piece."""
-    from parity.pieces import replay_layer_pieces
+    from parity.replay.pieces import replay_layer_pieces
     from parity.targets.reference import ReferenceTarget
 
     class Forgetful(ReferenceTarget):
@@ -74,7 +64,7 @@ def test_pieces_catch_a_target_that_drops_state_between_pieces():
 
 
 def test_parse_pieces():
-    from parity.pieces import parse_pieces
+    from parity.replay.pieces import parse_pieces
 
     assert parse_pieces("40+60", 100) == [40, 60]
     assert parse_pieces("98+decode", 100) == [98, 1, 1]
@@ -86,7 +76,7 @@ def test_pieces_against_self_isolates_the_serving_path():
     """A target that is wrong in one piece (the softplus-gate variant) still carries its state correctly: against
     its own one-shot prefill it passes, against the dump it fails."""
     pytest.importorskip("flax")
-    from parity.pieces import replay_layer_pieces
+    from parity.replay.pieces import replay_layer_pieces
     from parity.targets.portlike import PortlikeTarget
 
     ctx = _ctx("tiny-fp32.h5", PortlikeTarget("softplus_gate"))

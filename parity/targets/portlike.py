@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from parity.targets.base import LayerResult, Target, describe_jax
-from parity.targets.serving import PackedBatch, canonical_topk
+from parity.targets.serving import PackedBatch, canonical_topk, to_canonical
 from parity.targets.taps import ROUTER_SCORES, Tap, TapSet, Transform
 
 VARIANTS = ("ok", "softplus_gate", "unbiased_routing")
@@ -485,6 +485,7 @@ class PortlikeTarget(Target):
             pts["mlp.gate.topk_idx"], pts["mlp.gate.topk_weight"] = canonical_topk(pts["mlp.gate.topk_idx"],
                                                                                      pts.get("mlp.gate.topk_weight"))
         pts["input"] = hidden
+        pts = to_canonical(self.cfg, i, pts, B, T)
         return LayerResult(pb.unpack(np.asarray(out)), pts, (new_pool, prefix + T, cap), transforms=cap_.transforms,
                            missing=cap_.missing)
 

@@ -87,6 +87,20 @@ class PackedBatch:
         return np.asarray(pool)[self.slots]
 
 
+def to_canonical(cfg, layer: int, points: dict, batch: int, seq: int) -> dict:
+    """Reshape a port's per-site arrays to the dump's canonical shapes (`parity.points.canonical_shape`, e.g. a KDA
+    core [B,T,H*d] -> [B,T,H,d]) where only the layout differs (same size); anything else is left for the judge to
+    report as a shape mismatch."""
+    from parity.points import canonical_shape
+
+    out = {}
+    for site, v in points.items():
+        cs = canonical_shape(cfg, layer, site, batch, seq)
+        a = np.asarray(v)
+        out[site] = a.reshape(cs[0]) if cs is not None and a.shape != cs[0] and a.size == int(np.prod(cs[0])) else v
+    return out
+
+
 def canonical_topk(idx: np.ndarray, weight: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """Top-k ids in ascending order per token, weights permuted alike (the dump's convention)."""
     idx = np.asarray(idx)
@@ -95,4 +109,4 @@ def canonical_topk(idx: np.ndarray, weight: np.ndarray | None = None) -> tuple[n
     return np.take_along_axis(idx, order, -1), w
 
 
-__all__ = ["PackedBatch", "canonical_topk"]
+__all__ = ["PackedBatch", "canonical_topk", "to_canonical"]

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from parity.targets.base import LayerResult, Target, describe_jax
-from parity.targets.serving import PackedBatch, canonical_topk
+from parity.targets.serving import PackedBatch, canonical_topk, to_canonical
 from parity.targets.taps import ROUTER_SCORES, Tap, TapSet, Transform
 
 INSTALL_HINT = ("sglang-jax is not installed: in a separate venv, pip install jax==0.10.2 flax==0.12.4 "
@@ -405,6 +405,7 @@ class SglangJaxTarget(Target):
                                                                                      pts.get("mlp.gate.topk_weight"))
         pts["output"] = pb.unpack(np.asarray(output))
         pts["input"] = hidden
+        pts = to_canonical(self.cfg, i, pts, B, T)
         missing = dict(cap_.missing)
         missing.update(UNTAPPABLE.get(self.cfg.layer_kind(i), {}))
         return LayerResult(pts["output"], pts, (rpool, kvpool, prefix + T, cap), transforms=cap_.transforms,
