@@ -10,8 +10,8 @@ Every numerical function is pure: `(params, inputs, statics) -> (output, points)
 state), where `points` maps canonical site names (`parity.points`) to arrays in canonical shapes.
 
 Every jitted function here is compiled with `REFERENCE_COMPILER_OPTIONS` (the reference's own XLA options, set
-per computation, not process-wide). Importing this package turns on JAX's persistent compilation cache (jit compile time dominates layer replay):
-directory `$LING3_JAX_CACHE`, else `$XDG_CACHE_HOME/ling3-parity/jax` (default `~/.cache/...`); set
+per computation, not process-wide). Importing this package turns on JAX's persistent compilation cache (jit compile
+time dominates layer replay): directory `$LING3_JAX_CACHE`, else `$XDG_CACHE_HOME/ling3-parity/jax` (default `~/.cache/...`); set
 `LING3_JAX_CACHE=off` to disable.
 """
 
