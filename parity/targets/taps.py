@@ -18,8 +18,9 @@ How values leave the jitted computation — a host callback (`jax.debug.callback
   function" is counted at run time, not at trace time.
 - Cost: one device→host copy per tapped value (small next to interpret-mode kernels); the layer's own outputs and
   numerics are untouched (the callback only reads).
-- Limits: on a multi-device mesh a callback inside `shard_map` sees one shard (taps are meant for single-device CPU
-  replay); a function must be patched where it is *looked up* (the module that calls it), and a jitted port
+- Limits: call the tapped layer under `jax.jit` (on jax 0.10 an *eager* debug callback inside a `shard_map` over
+  explicitly sharded arrays raises NotImplementedError); on a multi-device mesh a callback inside `shard_map` sees
+  one shard (taps are meant for single-device CPU replay); a function must be patched where it is *looked up* (the module that calls it), and a jitted port
   function first traced before the taps were installed keeps its untapped trace — install a `TapSet` before the
   first call of the port (the targets here do so in `build`).
 """
