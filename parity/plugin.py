@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BUNDLED_DUMPS = ROOT / "dumps"
+from parity.replay.session import BUNDLED_DUMPS  # noqa: E402  (checkout or installed data files)
 RECORD_KEY = "parity_record"
 
 
@@ -35,7 +35,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--parity-tolerances", default=None, help="TOML tolerance rules merged over the defaults")
     g.addoption("--parity-tol", action="append", default=[],
                 help="one rule override, e.g. 'mlp.*:layer:bfloat16:max_ulps=8,hard_ulps=64' (repeatable)")
-    g.addoption("--parity-report", default=str(ROOT / "reports"), help="report directory (one subdirectory per dump)")
+    g.addoption("--parity-report", default="reports",
+                help="report directory (one subdirectory per dump); default ./reports of the current directory")
     g.addoption("--parity-mesh", default=None,
                 help="shard the target's layer params over a device mesh: auto | N | EXPERTSxHEADS (e.g. 4x2)")
     g.addoption("--parity-layers", default=None, help="layers to replay, e.g. 0-3,7 (default all)")
@@ -95,9 +96,11 @@ class ParitySession:
         if opt("--parity-tol"):
             rules = rules.merged(parse_overrides(opt("--parity-tol")))
         try:
+            layers = _parse_layers(opt("--parity-layers"))
             s = Session.open(self.reader(entry), opt("--parity-ckpt"), target=opt("--parity-target"),
                              mode=opt("--parity-mode"), rules=rules,
-                             mesh=getattr(self.config, "_parity_mesh", None))  # mesh built in pytest_configure
+                             mesh=getattr(self.config, "_parity_mesh", None),  # mesh built in pytest_configure
+                             layers=None if layers is None else sorted(layers))
         except TargetError as e:
             self.errors[entry.label] = (str(e), False)
             pytest.skip(str(e))
@@ -119,6 +122,14 @@ class ParitySession:
             recs = [r.to_json() for r in judge(s, obs)]
             self.replays[key] = {(r["phase"], r["step"], r["layer"], r["site"]): r for r in recs}
         return self.replays[key]
+
+
+def target_info(target) -> dict:
+    """`target.describe()` for the report header; a failing describe() is said, never loses the report."""
+    try:
+        return target.describe()
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"describe() failed: {e}"}
 
 
 def _session(config) -> ParitySession:
@@ -305,6 +316,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
             r.pop("dump", None)
         rep = build_report(cfg, recs, dump=str(entry.path), target=config.getoption("--parity-target"),
                            mode=config.getoption("--parity-mode"))
+        sess = _session(config).sessions.get(label)  # this process's session (absent on an xdist controller)
+        if sess is not None:  # protocol v2: what actually ran, in the report header
+            rep["target_info"] = target_info(sess.target)
         path = write_reports(rep, out_root / label)
         built.append((rep, path))
     config._parity_built = built
