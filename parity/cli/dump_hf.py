@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import re
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from parity.errors import ParityError
+from parity.points import parse_layers
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,30 +40,13 @@ def _int_at_least(lo: int):
     return parse
 
 
-def parse_layers(text: str | None, option: str = "--layers") -> list[int] | None:
-    """"0-3,7" -> [0, 1, 2, 3, 7]; None -> None (all layers). An empty or reversed range is refused."""
-    if text is None:
-        return None
-    out: list[int] = []
-    for part in text.split(","):
-        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
-        if not m:
-            raise ParityError(f"{option} {text!r}: {part.strip()!r} is not a layer number or a range; expected "
-                              "comma-separated layer numbers or ranges like 0-3,7")
-        a, b = int(m[1]), int(m[2] if m[2] is not None else m[1])
-        if b < a:
-            raise ParityError(f"{option} {text!r}: range {a}-{b} is empty (start > end); expected a range like {b}-{a}")
-        out += range(a, b + 1)
-    return out
-
-
 def check_sites(patterns: list[str], cfg, layers: list[int]) -> None:
     """Every --sites pattern must match a canonical site of the dumped layers (or a model-level site)."""
-    from parity.points import INPUT_SITES, MODEL_SITES_AFTER, MODEL_SITES_BEFORE, sites_for_config
+    from parity.points import MODEL_SITES_AFTER, MODEL_SITES_BEFORE, sites_for_config
 
     universe = list(MODEL_SITES_BEFORE + MODEL_SITES_AFTER)
     for i in layers:
-        universe += [s for s in sites_for_config(cfg, i) + INPUT_SITES if s not in universe]
+        universe += [s for s in sites_for_config(cfg, i, recorded_inputs=True) if s not in universe]
     for p in patterns:
         if not p:
             raise ParityError("--sites: an empty pattern; expected comma-separated glob patterns such as "

@@ -270,7 +270,8 @@ def _parse_text(text: str, name: str) -> RulesTable:
 
 @functools.lru_cache(maxsize=1)
 def default_rules() -> RulesTable:
-    """The packaged defaults (`parity/numerics/default_tolerances.toml`; PROVISIONAL until calibrated)."""
+    """The packaged defaults (`parity/numerics/default_tolerances.toml`, calibrated by `tools/calibrate.py`: see its header and
+    `parity/numerics/calibration/calibration.md`)."""
     text = resources.files("parity.numerics").joinpath(DEFAULT_FILE).read_text(encoding="utf-8")
     return _parse_text(text, DEFAULT_FILE)
 
