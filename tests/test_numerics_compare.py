@@ -214,6 +214,28 @@ def test_fp32_compared_in_bf16_is_rounded_first():
     assert not v.passed and v.dtype == "float32" and v.max_ulp == 8389
 
 
+def test_fp32_tensor_of_a_bf16_run_compared_in_the_precision_it_was_computed_in():
+    """Issue 15: a router GEMM run in bf16 (a precision-placement bug) moves fp32 logits by ≤ ½ bf16 ULP. Rounded to
+    bf16 first (compare_dtype bfloat16) both sides are equal; compared in fp32 — the precision the reference computed
+    them in, `comparison_grid` — the bug is plain, while fp32 accumulation-order noise stays far below the limit."""
+    from parity.numerics import comparison_grid
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((40, 64)).astype(BF16).astype(np.float64)
+    w = (rng.standard_normal((64, 16)) / 8).astype(BF16).astype(np.float64)
+    ref = (x @ w).astype(np.float32)  # fp32 logits of bf16 inputs (exact up to fp32 rounding)
+    bug = ref.astype(BF16).astype(np.float32)  # the GEMM's result rounded to bf16, then upcast
+    perm = (x[:, ::-1] @ w[::-1]).astype(np.float32)  # a correct implementation: another accumulation order
+    fine = rule(floor=16, max_ulps=8, frac=0.001, hard=None)  # an fp32-grid rule of the calibrated kind
+    assert comparison_grid(np.float32, fine) == "float32" and comparison_grid("float32") == "float32"
+    coarse = rule(floor=16, max_ulps=8, frac=0.001, hard=None, compare_dtype="bfloat16")
+    assert comparison_grid(np.float32, coarse) == "bfloat16"
+    assert compare(ref, bug, coarse).passed and compare(ref, bug, coarse).max_ulp_raw == 0  # erased by the rounding
+    v = compare(ref, bug, fine)
+    assert v.dtype == "float32" and not v.passed and v.max_ulp > 1000
+    assert compare(ref, perm, fine).passed
+
+
 def test_test_side_in_a_wider_dtype_is_rounded_to_the_reference_dtype():
     ref = np.array([1.0], BF16)
     assert compare(ref, np.float32([1 + 2**-9]), rule(floor=0, max_ulps=0, frac=0, hard=0)).passed

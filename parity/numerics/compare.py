@@ -1,7 +1,8 @@
 """Compare one point: `compare(ref, test, rule) -> Verdict` (DESIGN §5 hybrid rule). numpy + ml_dtypes only.
 
-Float tensors, on the grid of dtype `D` = the `dtype` argument, else `rule.compare_dtype`, else the reference's dtype
-(both sides rounded RNE to `D`; an fp32 tensor compared "in bf16" is rounded first):
+Float tensors, on the grid of dtype `D` = the `dtype` argument, else `comparison_grid` (`rule.compare_dtype`, else the
+reference's dtype = the precision the tensor was computed in; both sides rounded RNE to `D`; an fp32 tensor compared
+"in bf16" is rounded first):
  0. NaN / +Inf / -Inf are classes (parity.numerics.ulp): a class mismatch (NaN or Inf where the other side is finite,
     +Inf vs -Inf, NaN vs Inf) is a failure counted in `nan_inf_mismatches` and left out of every statistic; matching
     NaN/NaN, +Inf/+Inf, -Inf/-Inf count as equal (0 ULP).
@@ -189,6 +190,17 @@ def _index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(i) for i in np.unravel_index(int(flat), shape))
 
 
+def comparison_grid(tensor_dtype: Any, rule: ToleranceRule | None = None) -> str:
+    """The grid a tensor is compared on (DESIGN §5, issue 15): the precision it was *computed* in — the dtype the
+    reference produced and stored it in (an fp32 router logit, KDA gate / beta / state or top-k weight of a bf16 run is
+    compared in fp32, bf16 activations in bf16) — unless the rule names a `compare_dtype`. Rounding an fp32 tensor to
+    bf16 first would erase exactly the rounding a precision-placement bug changes (a router GEMM in bf16 moves the fp32
+    logits by ≤ ½ bf16 ULP: 0 ULP after rounding both sides, up to 2^15 fp32 ULP before). The rule for such a point is
+    looked up by (site, mode, tensor dtype, compute dtype) — e.g. float32 under compute bfloat16 — and is calibrated
+    on that grid for that site class."""
+    return dtype_name(rule.compare_dtype if rule is not None and rule.compare_dtype else tensor_dtype)
+
+
 def compare(ref: Any, test: Any, rule: ToleranceRule, *, name: str = "", dtype: Any = None) -> Verdict:
     """Compare `test` against the reference `ref` under `rule` (module docstring). Never raises on values
     (NaN/Inf are data); raises ComparisonError on a shape mismatch or a dtype with no comparison convention."""
@@ -204,7 +216,7 @@ def compare(ref: Any, test: Any, rule: ToleranceRule, *, name: str = "", dtype: 
             raise ComparisonError(f"{label}: reference is {ref.dtype}; integer tensors compare exactly, not in {dtype}")
         return _compare_exact(ref, test, rule, name)
     try:
-        cdt = dtype_name(dtype or rule.compare_dtype or ref.dtype)
+        cdt = dtype_name(dtype) if dtype is not None else comparison_grid(ref.dtype, rule)
     except ParityError as e:
         raise ComparisonError(f"{label}: {e}; pass dtype= to choose the grid") from None
     return _compare_float(to_dtype(ref, cdt), to_dtype(test, cdt), rule, name, cdt)

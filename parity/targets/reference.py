@@ -124,7 +124,11 @@ class ReferenceTarget(Target):
             return None
         arrs = {k: jnp.asarray(v) for k, v in inputs.items()}  # the dump's own dtypes: what the module was fed
         st = None if state is None else {k: jnp.asarray(v) for k, v in state.items()}
-        return np.asarray(_isolated_jit(self.params[i], arrs, st, site=site, spec=spec))
+        return np.asarray(self._isolated_fn()(self.params[i], arrs, st, site=site, spec=spec))
+
+    def _isolated_fn(self):
+        """The jitted site function `submodule` calls (a subclass may swap it, e.g. `mutants.MutantTarget`)."""
+        return _isolated_jit
 
 
 # ------------------------------------------------------------------------------------------------ isolated sites
