@@ -41,7 +41,9 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from parity.numerics.compare import percentile_rank
 from parity.numerics.ulp import FINITE, ordered_int, to_dtype, ulp_of, value_class
+from parity.points import site_class
 
 FLOORS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 KS = (1, 2, 4, 8, 16, 32, 64)
@@ -51,36 +53,6 @@ BF16_FLOOR = 1
 MINIMUMS = {"max_ulps": 2, "hard_ulps": 4, "fp32_floor_ulps": 16}
 LAYER_FRACTION = 0.001
 FREE_FRACTION = 0.01
-
-# Site classes (site names of parity.points). A class groups sites with the same numerics: where a name is shared by
-# KDA and MLA layers (attention.core, attention.gate, attention.g_proj) the tensor dtype usually separates them.
-SITE_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("residual", ("input", "output")),
-    ("attention_out", ("attention",)),
-    ("layernorm", ("input_layernorm", "post_attention_layernorm", "attention.q_a_layernorm",
-                   "attention.kv_a_layernorm")),
-    ("projection", ("attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.f_proj",
-                    "attention.b_proj", "attention.g_proj", "attention.o_proj", "attention.q_a_proj",
-                    "attention.q_b_proj", "attention.kv_a_proj_with_mqa", "attention.kv_b_proj", "attention.dense",
-                    "mlp.gate_proj", "mlp.up_proj")),
-    ("conv", ("attention.q_conv1d", "attention.k_conv1d", "attention.v_conv1d", "attention.conv_state")),
-    ("gate_beta", ("attention.gate", "attention.beta")),
-    ("attn_core", ("attention.core", "attention.dense:in")),
-    ("kda_state", ("attention.state",)),
-    ("o_norm", ("attention.o_norm",)),
-    ("router_logits", ("mlp.gate.logits",)),
-    ("topk_weight", ("mlp.gate.topk_weight",)),
-    ("mlp_out", ("mlp.down_proj", "mlp.routed", "mlp.shared_experts", "mlp")),
-    ("embed", ("embed",)),
-    ("head", ("final_norm", "logits")),
-)
-_CLASS_OF = {s: c for c, sites in SITE_CLASSES for s in sites}
-
-
-def site_class(site: str) -> str:
-    """The class of a canonical site name ('other' for a name no class lists)."""
-    return _CLASS_OF.get(site, "other")
-
 
 def nice(x: float) -> float:
     """Round up to the sequence 1, 1.5, 2, 3, 4, 6, 8, 12, 16, ... (≤ 1.5× above x); 0 stays 0."""
@@ -96,9 +68,9 @@ def nice(x: float) -> float:
     raise AssertionError("unreachable")
 
 
-def _rank(num: int, den: int, m: int) -> int:
-    """0-based rank of the num/den quantile of m sorted values, 'inverted_cdf' (as parity.numerics.compare)."""
-    return max(-(-num * m // den) - 1, 0)
+def _ranks(m: int) -> tuple[int, int]:
+    """0-based ranks of p99 and p99.9 among m sorted values ('inverted_cdf', as parity.numerics.compare)."""
+    return percentile_rank("99", m), percentile_rank("99.9", m)
 
 
 def _quantiles(e: np.ndarray) -> tuple[int, int, int]:
@@ -106,7 +78,7 @@ def _quantiles(e: np.ndarray) -> tuple[int, int, int]:
     m = e.size
     if m == 0:
         return 0, 0, 0
-    r99, r999 = _rank(99, 100, m), _rank(999, 1000, m)
+    r99, r999 = _ranks(m)
     part = np.partition(e, (r99, r999, m - 1))
     return int(part[m - 1]), int(part[r99]), int(part[r999])
 
@@ -116,7 +88,7 @@ def _fquantiles(x: np.ndarray) -> tuple[float, float, float]:
     m = x.size
     if m == 0:
         return 0.0, 0.0, 0.0
-    r99, r999 = _rank(99, 100, m), _rank(999, 1000, m)
+    r99, r999 = _ranks(m)
     part = np.partition(x, (r99, r999, m - 1))
     return float(part[m - 1]), float(part[r99]), float(part[r999])
 
@@ -126,7 +98,7 @@ def point_noise(ref: Any, test: Any, grid: str) -> dict:
     """Noise statistics of one point compared on `grid` ('bfloat16' or 'float32'); see the module docstring."""
     r, t = to_dtype(np.asarray(ref), grid), to_dtype(np.asarray(test), grid)
     if r.shape != t.shape:
-        t = t.reshape(r.shape)
+        raise ValueError(f"point_noise: reference shape {r.shape} != test shape {t.shape}")
     last = r.shape[-1] if r.ndim else 1
     r, t = r.reshape(-1, last), t.reshape(-1, last)
     cr, ct = value_class(r), value_class(t)
@@ -162,59 +134,6 @@ def point_noise(ref: Any, test: Any, grid: str) -> dict:
     }
 
 
-# ------------------------------------------------------------------------------------------------ recording target
-class RecordingTarget:
-    """Wraps a target and keeps every array it produces, keyed so the replayed points can be found again:
-    layer calls by (layer, phase, step, forced), embed/head calls by call order (the replay walks steps in order)."""
-
-    def __init__(self, inner: Any, prompt_len: int) -> None:
-        self.inner, self.prompt_len = inner, prompt_len
-        self.name, self.capabilities = inner.name, inner.capabilities
-        self.layers: dict[tuple, dict[str, np.ndarray]] = {}
-        self.embeds: list[np.ndarray] = []
-        self.heads: list[dict[str, np.ndarray]] = []
-
-    def __getattr__(self, k):  # build, load_layer, unload_layer, load_globals, ...
-        return getattr(self.inner, k)
-
-    def embed(self, ids):
-        out = self.inner.embed(ids)
-        self.embeds.append(np.asarray(out))
-        return out
-
-    def head(self, hidden):
-        out = self.inner.head(hidden)
-        self.heads.append({k: np.asarray(v) for k, v in out.items()})
-        return out
-
-    def layer_forward(self, i, hidden, positions, state=None, forced_topk=None):
-        res = self.inner.layer_forward(i, hidden, positions, state, forced_topk=forced_topk)
-        pos = np.asarray(positions).ravel()
-        if pos[0] == 0 and pos.size == self.prompt_len:
-            phase, step = "prefill", 0
-        else:
-            phase, step = "decode", int(pos[0]) - self.prompt_len + 1
-        pts = {k: np.asarray(v) for k, v in res.points.items()}
-        pts.setdefault("output", np.asarray(res.output))
-        pts.setdefault("input", np.asarray(hidden))
-        self.layers[(i, phase, step, forced_topk is not None)] = pts
-        return res
-
-    def produced(self, rec: dict, steps: list[tuple[str, int]]) -> np.ndarray | None:
-        """The array the replay compared for report record `rec`."""
-        site, layer = rec["site"], rec.get("layer")
-        k = steps.index((rec["phase"], rec.get("step", 0)))
-        if layer is None:
-            if site == "embed":
-                return self.embeds[k] if k < len(self.embeds) else None
-            return self.heads[k].get(site) if k < len(self.heads) else None
-        forced = bool(rec.get("forced_routing"))
-        key = (layer, rec["phase"], rec.get("step", 0), forced)
-        if key not in self.layers and not forced:  # `forced` mode: the only run was the forced one
-            key = (layer, rec["phase"], rec.get("step", 0), True)
-        return self.layers.get(key, {}).get(site)
-
-
 # ------------------------------------------------------------------------------------------------ corpus
 @dataclass(frozen=True)
 class CorpusSpec:
@@ -236,57 +155,43 @@ class Measurement:
     runs: list[dict] = field(default_factory=list)
 
 
-def _steps(dump) -> list[tuple[str, int]]:
-    from parity.replay import _steps as steps
-
-    return steps(dump)
-
-
 def measure_replay(dump_path: Path, ckpt_dir: Path, mode: str, corpus_id: str, out: Measurement,
                    target: Any = None) -> dict:
-    """Replay one dump with the reference target, record per-point noise and routing outcomes into `out`."""
-    from parity.dumpfile import DumpReader
+    """Replay one dump (reference target unless given), record per-point noise and routing outcomes into `out`, and
+    return the report. The noise is measured on exactly the arrays the judge compared (`PointRecord.observation`:
+    for a benign routing flip, the run forced to the reference's experts)."""
     from parity.numerics.tolerances import default_rules
-    from parity.replay import run_replay
-    from parity.targets.reference import ReferenceTarget
+    from parity.replay import Session, replay_records
 
-    with_dump = DumpReader(dump_path)
-    try:
-        P, steps, compute = int(with_dump.prompt_len), _steps(with_dump), with_dump.meta.get("compute_dtype", "bfloat16")
-    finally:
-        with_dump.close()
-    rec_target = RecordingTarget(target or ReferenceTarget(), P)
-    report = run_replay(dump_path, ckpt_dir, target=rec_target, mode=mode, rules=default_rules())
-    grid = "float32" if compute == "float32" else "bfloat16"
-    dump = DumpReader(dump_path)
-    try:
-        from parity.points import Point
+    from parity.report import build_report, order_key
 
-        for rec in report["points"]:
-            base = {"corpus": corpus_id, "mode": mode, "phase": rec["phase"], "step": rec.get("step", 0),
-                    "layer": rec.get("layer"), "site": rec["site"], "compute": compute}
-            if rec["site"] == "mlp.gate.topk_idx":
-                out.routing.append({**base, "status": rec.get("status"), "tokens": rec.get("tokens"),
-                                    "flipped": rec.get("flipped", 0), "benign_flips": rec.get("benign_flips", 0)})
+    records = []
+    with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=default_rules()) as ses:
+        compute = ses.dtype
+        grid = "float32" if compute == "float32" else "bfloat16"
+        judged = sorted(((r.to_json(), r) for r in replay_records(ses)), key=lambda jr: order_key(ses.config, jr[0]))
+        for js, rec in judged:  # in report order, so ties in the aggregation resolve as before
+            records.append(js)
+            p = rec.point
+            base = {"corpus": corpus_id, "mode": mode, "phase": p.phase, "step": p.step, "layer": p.layer,
+                    "site": p.site, "compute": compute}
+            if p.site == "mlp.gate.topk_idx":
+                out.routing.append({**base, "status": rec.status.value, "tokens": rec.stats.get("tokens"),
+                                    "flipped": rec.stats.get("flipped", 0),
+                                    "benign_flips": rec.stats.get("benign_flips", 0)})
                 continue
-            pt = Point(rec["phase"], rec.get("step", 0), rec.get("layer"), rec["site"])
-            if rec.get("status") not in ("pass", "fail") or not dump.has(pt):
+            obs = rec.observation
+            if rec.status.value not in ("pass", "fail") or obs is None or obs.ref is None or obs.test is None:
                 continue
-            test = rec_target.produced(rec, steps)
-            if test is None:
+            tdtype = ses.dump.dtype(p)
+            if tdtype not in ("bfloat16", "float32", "float16") or np.shape(obs.test) != obs.ref.shape:
                 continue
-            ref = dump.read(pt)
-            tdtype = dump.attrs(pt).get("dtype", str(ref.dtype))
-            if tdtype not in ("bfloat16", "float32", "float16"):
-                continue
-            stats = point_noise(ref, np.asarray(test).reshape(ref.shape), grid)
-            out.points.append({**base, "class": site_class(rec["site"]), "dtype": tdtype,
-                               "forced_routing": bool(rec.get("forced_routing")),
-                               "status_old_rules": rec.get("status"), "replay_max_ulp_raw": rec.get("max_ulp_raw"),
-                               **stats})
-    finally:
-        dump.close()
-    return report
+            out.points.append({**base, "class": site_class(p.site), "dtype": tdtype,
+                               "forced_routing": rec.forced_routing, "status_old_rules": rec.status.value,
+                               "replay_max_ulp_raw": rec.stats.get("max_ulp_raw"),
+                               **point_noise(obs.ref, obs.test, grid)})
+        return build_report(ses.config, records, dump=str(dump_path), target=getattr(ses.target, "name", "?"),
+                            mode=mode)
 
 
 def measure_dump_pair(ref_path: Path, test_path: Path, kind: str, corpus_id: str, out: Measurement,
@@ -342,7 +247,7 @@ def _worst(points: list[dict], value) -> tuple[float, str]:
 
 def _p99_over(vals: list[float]) -> float:
     v = sorted(vals)
-    return v[_rank(99, 100, len(v))] if v else 0.0
+    return v[percentile_rank("99", len(v))] if v else 0.0
 
 
 def floor_for(need: float) -> int:

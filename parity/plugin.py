@@ -18,7 +18,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED_DUMPS = ROOT / "dumps"
-BUNDLED_CKPTS = ROOT / "dumps" / "ckpt"
 RECORD_KEY = "parity_record"
 
 
@@ -62,33 +61,15 @@ def selected_dumps(config: pytest.Config) -> list[DumpEntry]:
     return [DumpEntry(p, _dump_label(p)) for p in paths]
 
 
-def find_checkpoint(fingerprint: str, explicit: str | None) -> Path:
-    """The checkpoint a dump was made from: --parity-ckpt, else the bundled one with the same fingerprint."""
-    from parity.dumpfile import fingerprint_checkpoint
-    from parity.errors import DumpError
-
-    if explicit:
-        return Path(explicit)
-    seen = []
-    for d in sorted(BUNDLED_CKPTS.iterdir()) if BUNDLED_CKPTS.is_dir() else []:
-        if (d / "config.json").is_file():
-            fp = fingerprint_checkpoint(d)
-            seen.append(f"{d.name}={fp[:12]}")
-            if fp == fingerprint:
-                return d
-    raise DumpError(f"no checkpoint with fingerprint {fingerprint[:12]}… among {BUNDLED_CKPTS} ({', '.join(seen)}); "
-                    "pass --parity-ckpt DIR")
-
-
 class ParitySession:
-    """Per-process cache: opened dumps, checkpoint readers, built targets, and replayed layers."""
+    """Per-process cache: opened dumps, one replay `Session` per dump, and the replayed layers' records."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.readers: dict[str, object] = {}
         self.replays: dict[tuple[str, object], dict] = {}
-        self.contexts: dict[str, object] = {}
-        self.errors: dict[str, str] = {}
+        self.sessions: dict[str, object] = {}
+        self.errors: dict[str, tuple[str, bool]] = {}  # label -> (message, is a usage error)
 
     def reader(self, entry: DumpEntry):
         from parity.dumpfile import DumpReader
@@ -97,62 +78,45 @@ class ParitySession:
             self.readers[entry.label] = DumpReader(entry.path)
         return self.readers[entry.label]
 
-    def context(self, entry: DumpEntry):
+    def session(self, entry: DumpEntry):
         if entry.label in self.errors:
-            pytest.skip(self.errors[entry.label])
-        if entry.label in self.contexts:
-            return self.contexts[entry.label]
+            msg, fail = self.errors[entry.label]
+            pytest.fail(msg, pytrace=False) if fail else pytest.skip(msg)
+        if entry.label in self.sessions:
+            return self.sessions[entry.label]
         from parity.errors import TargetError
-        from parity.jax_ling3.weights import CheckpointReader
-        from parity.numerics.tolerances import default_rules, load_rules
-        from parity.replay import ReplayContext
-        from parity.targets import resolve
+        from parity.numerics.tolerances import default_rules, load_rules, parse_overrides
+        from parity.replay import ModeError, Session
 
-        dump = self.reader(entry)
-        ckpt_dir = find_checkpoint(dump.fingerprint, self.config.getoption("--parity-ckpt"))
-        try:
-            target_cls = resolve(self.config.getoption("--parity-target"))
-        except TargetError as e:
-            self.errors[entry.label] = str(e)
-            pytest.skip(str(e))
+        opt = self.config.getoption
         rules = default_rules()
-        tol = self.config.getoption("--parity-tolerances")
-        if tol:
-            rules = rules.merged(load_rules(tol))
-        overrides = self.config.getoption("--parity-tol")
-        if overrides:
-            from parity.numerics.tolerances import parse_overrides
-
-            rules = rules.merged(parse_overrides(overrides))
-        dtype = dump.meta.get("compute_dtype", "bfloat16")
-        target = target_cls()
-        mesh = getattr(self.config, "_parity_mesh", None)  # built and checked in pytest_configure
-        if mesh is not None:
-            target.build(dump.config, dtype, mesh=mesh)
-        else:
-            target.build(dump.config, dtype)
-        ctx = ReplayContext(dump=dump, ckpt=CheckpointReader(ckpt_dir), target=target, rules=rules,
-                            mode=self.config.getoption("--parity-mode"), dtype=dtype)
-        self.contexts[entry.label] = ctx
-        return ctx
+        if opt("--parity-tolerances"):
+            rules = rules.merged(load_rules(opt("--parity-tolerances")))
+        if opt("--parity-tol"):
+            rules = rules.merged(parse_overrides(opt("--parity-tol")))
+        try:
+            s = Session.open(self.reader(entry), opt("--parity-ckpt"), target=opt("--parity-target"),
+                             mode=opt("--parity-mode"), rules=rules,
+                             mesh=getattr(self.config, "_parity_mesh", None))  # mesh built in pytest_configure
+        except TargetError as e:
+            self.errors[entry.label] = (str(e), False)
+            pytest.skip(str(e))
+        except ModeError as e:
+            self.errors[entry.label] = (str(e), True)
+            pytest.fail(str(e), pytrace=False)
+        self.sessions[entry.label] = s
+        return s
 
     def records(self, entry: DumpEntry, layer) -> dict:
-        """{(phase, step, layer, site): record} for one layer (or the model-level points when layer is None)."""
-        from parity import replay
+        """{(phase, step, layer, site): report.json record} for one layer (or the model-level points when layer is
+        None); free mode replays the whole model once."""
+        from parity.replay import judge, observe, observe_free
 
         key = (entry.label, layer if self.config.getoption("--parity-mode") != "free" else "free")
         if key not in self.replays:
-            ctx = self.context(entry)
-            if ctx.mode == "free":
-                recs = replay.replay_free(ctx)
-            elif layer is None:
-                recs = replay.replay_model_points(ctx)
-            elif ctx.mode == "isolated":
-                from parity.isolated import replay_isolated
-
-                recs = replay_isolated(ctx, layer)
-            else:
-                recs = replay.replay_layer(ctx, layer)
+            s = self.session(entry)
+            obs = observe_free(s) if s.mode == "free" else observe(s, layer)
+            recs = [r.to_json() for r in judge(s, obs)]
             self.replays[key] = {(r["phase"], r["step"], r["layer"], r["site"]): r for r in recs}
         return self.replays[key]
 
@@ -168,15 +132,16 @@ def _session(config) -> ParitySession:
 def _parse_layers(text: str | None):
     if not text:
         return None
-    from parity.cli.dump_hf import parse_layers
+    from parity.points import parse_layers
 
-    return set(parse_layers(text))
+    return set(parse_layers(text, option="--parity-layers"))
 
 
 def parity_params(config: pytest.Config) -> list:
     """One param per (dump, phase, step, layer, site) the dump holds or declares unavailable."""
     from parity.errors import ParityError
     from parity.points import sites_for_config
+    from parity.replay import dump_steps
 
     sess = _session(config)
     layers_opt = _parse_layers(config.getoption("--parity-layers"))
@@ -189,8 +154,7 @@ def parity_params(config: pytest.Config) -> list:
                                        marks=pytest.mark.parity_error(str(e))))
             continue
         cfg = dump.config
-        steps = [("prefill", 0)] + [("decode", k) for k in sorted(dump.steps("decode"))] \
-            if "decode" in dump.phases() else [("prefill", 0)]
+        steps = dump_steps(dump) or [("prefill", 0)]
         layers = sorted(set(dump.layers("prefill", 0)) - {None})
         if layers_opt is not None:
             layers = [i for i in layers if i in layers_opt]
@@ -201,8 +165,7 @@ def parity_params(config: pytest.Config) -> list:
                                            id=f"{entry.label}/{ph}/model/{site}",
                                            marks=_xdist_group(entry, None)))
             for i in layers:
-                extra = ("attention.dense:in",) if cfg.layer_kind(i) == "mla" else ()
-                for site in sites_for_config(cfg, i) + extra:
+                for site in sites_for_config(cfg, i, recorded_inputs=True):
                     params.append(pytest.param(entry, (phase, step, i, site), i,
                                                id=f"{entry.label}/{ph}/layer_{i}/{site}",
                                                marks=_xdist_group(entry, i)))

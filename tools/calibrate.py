@@ -63,6 +63,8 @@ def main(argv=None) -> int:
                              runs=json.load(open(src / "measurements.json"))["runs"])
         old = json.load(open(src / "measurements.json"))
         command, date, mach = old["command"], old["date"], old["machine"]
+        # the corpus is the measured one, not this invocation's (default) corpus options
+        spec = C.CorpusSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in old["corpus"].items()})
     else:
         meas = None
     with tempfile.TemporaryDirectory(prefix="ling3-calib-") as tmp:

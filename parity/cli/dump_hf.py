@@ -9,24 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.errors import ParityError
-
-
-def parse_layers(text: str | None) -> list[int] | None:
-    """"0-3,7" -> [0, 1, 2, 3, 7]."""
-    if not text:
-        return None
-    out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            if "-" in part:
-                a, b = part.split("-", 1)
-                out += list(range(int(a), int(b) + 1))
-            else:
-                out.append(int(part))
-        except ValueError:
-            raise ParityError(f"--layers {text!r}: expected comma-separated layer numbers or ranges like 0-3,7") from None
-    return out
+from parity.points import parse_layers
 
 
 def parse_ids(text: str) -> list[int]:

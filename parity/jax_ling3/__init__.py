@@ -2,7 +2,9 @@
 
 Modules: `spec` (hashable statics from a Ling3Config), `weights` (HF -> JAX mapping, lazy per-layer reader),
 `norms`, `rope`, `kda`, `mla`, `moe` (router, experts, dense MLP), `layer` (decoder layer), `model` (embedding,
-head, whole-model prefill/decode), `sharding` (device mesh helpers), `target` (the DESIGN §7 target protocol).
+head, whole-model prefill/decode), `sharding` (device mesh helpers), `ops` (small shared ops in the reference
+precision), `testing` (comparison helpers of the tests). The DESIGN §7 target over this package is
+`parity.targets.reference`.
 
 Every numerical function is pure: `(params, inputs, statics) -> (output, points)` (stateful ones also return their new
 state), where `points` maps canonical site names (`parity.points`) to arrays in canonical shapes.

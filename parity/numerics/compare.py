@@ -251,7 +251,7 @@ def _compare_exact(ref: np.ndarray, test: np.ndarray, rule: ToleranceRule, name:
         rule=rule.to_dict(), min_passing_max_ulps=None, min_passing_hard_ulps=None)
 
 
-def _percentile_rank(q: str, m: int) -> int:
+def percentile_rank(q: str, m: int) -> int:
     """0-based rank of the q-th percentile of m sorted values, "inverted_cdf" (smallest v with ≥ q % of values ≤ v),
     computed with exact fractions so 99.9 % of 1000 is rank 998, not 999."""
     return max(math.ceil(Fraction(q) / 100 * m) - 1, 0)
@@ -324,7 +324,7 @@ def _compare_float(r: np.ndarray, t: np.ndarray, rule: ToleranceRule, name: str,
                                  min_passing_max_ulps=None, min_passing_hard_ulps=None)
     if e_valid.size:
         m = e_valid.size
-        p50, p99, p999 = (_percentile_rank(q, m) for q in ("50", "99", "99.9"))
+        p50, p99, p999 = (percentile_rank(q, m) for q in ("50", "99", "99.9"))
         # count(eff > M) ≤ allowed  ⟺  M ≥ the (allowed+1)-th largest effective distance (0 if allowed ≥ m)
         k_allowed = m - 1 - allowed if allowed < m else 0
         p50, p99, p999, kth = _kth_smallest(e_valid, [p50, p99, p999, k_allowed])

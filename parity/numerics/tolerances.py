@@ -282,8 +282,9 @@ def _parse_text(text: str, name: str) -> RulesTable:
 
 @functools.lru_cache(maxsize=1)
 def default_rules() -> RulesTable:
-    """The packaged defaults: the calibrated table (`default_tolerances.toml`, parity.calibrate) with the per-element
-    safety bounds (`safety_bounds.toml`, parity.numerics.bounds) merged in — the latter set only `bound_rms`."""
+    """The packaged defaults: the calibrated table (`default_tolerances.toml`, calibrated by `tools/calibrate.py`: see
+    its header and `parity/numerics/calibration/calibration.md`) with the per-element safety bounds
+    (`safety_bounds.toml`, parity.numerics.bounds) merged in — the latter set only `bound_rms`."""
     pkg = resources.files("parity.numerics")
     table = _parse_text(pkg.joinpath(DEFAULT_FILE).read_text(encoding="utf-8"), DEFAULT_FILE)
     return table.merged(_parse_text(pkg.joinpath(BOUNDS_FILE).read_text(encoding="utf-8"), BOUNDS_FILE))

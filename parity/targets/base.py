@@ -85,9 +85,10 @@ class Target(abc.ABC):
         this site in isolation (the replay then records it as skipped, with this target's name in the reason).
 
         `inputs` maps canonical site names to the dumped tensors of the same phase/step, in the dump's dtypes, as
-        listed per site by `parity.isolated.feeds(kind, moe, q_lora, site)` — e.g. `attention.o_proj` gets
+        listed per site by the site graph (`parity.points.SITE_GRAPH`, `Site.inputs`) — e.g. `attention.o_proj` gets
         {"attention.o_norm"}, `attention.core` (KDA) gets the q/k/v conv outputs, `attention.gate`,
-        `attention.beta`; MLA `attention.core` additionally gets "positions" (int [T], absolute RoPE positions of
+        `attention.beta`, `attention.state` the same without q (the state update reads none); MLA `attention.core` gets
+        its q, `kv_b_proj`, `kv_a_proj_with_mqa` and "positions" (int [T], absolute RoPE positions of
         these tokens). Sites needing the routing get the dumped "mlp.gate.topk_idx" / "mlp.gate.topk_weight".
         `state` (decode steps only, None at prefill) holds dumped tensors of *earlier* steps of this layer:
         KDA {"attention.conv_state": [3,B,P,W], "attention.state": [B,H,K,V]} of the previous step; MLA

@@ -336,7 +336,7 @@ def _mla_gate(p, x, st, spec):
 
 
 # (layer kind | "*", site) -> fn(p, x, st, spec). Sites with no computation of their own (`input`; `attention`, which
-# *is* the o_proj/dense output; a dense layer's `mlp`, which is `mlp.down_proj`) are absent: see parity.isolated.
+# *is* the o_proj/dense output; a dense layer's `mlp`, which is `mlp.down_proj`) are absent: see `Site.alias` in parity.points.
 ISOLATED_SITES = {
     ("*", "input_layernorm"): _norm("input", "input_layernorm"),
     **{("kda", f"attention.{n}"): _lin("input_layernorm", n) for n in
@@ -346,7 +346,9 @@ ISOLATED_SITES = {
     ("kda", "attention.gate"): _gate,
     ("kda", "attention.beta"): _beta,
     ("kda", "attention.core"): lambda p, x, st, spec: _kda_kernel(p, x, st, spec)[0],
-    ("kda", "attention.state"): lambda p, x, st, spec: _kda_kernel(p, x, st, spec)[1],
+    # the state update reads no q (facts §3.6), so the site graph feeds none: k stands in for the kernel's q argument
+    ("kda", "attention.state"): lambda p, x, st, spec: _kda_kernel(p, {**x, "attention.q_conv1d": x["attention.k_conv1d"]},
+                                                                   st, spec)[1],
     ("kda", "attention.o_norm"): _kda_o_norm,
     ("kda", "attention.o_proj"): _lin("attention.o_norm", "o_proj"),
     **{("mla", f"attention.{n}"): _lin("input_layernorm", n) for n in
@@ -368,7 +370,7 @@ ISOLATED_SITES = {
     ("*", "mlp.gate.topk_weight"): _topk_weight,
     ("*", "mlp.routed"): _routed,
     ("*", "mlp.shared_experts"): _shared,
-    ("*", "mlp"): _moe_sum,  # only asked for MoE layers (parity.isolated)
+    ("*", "mlp"): _moe_sum,  # only asked for MoE layers (a dense layer's `mlp` is an alias)
     ("*", "output"): _output,
 }
 
