@@ -21,7 +21,7 @@ Why a bound in multiples of the row's RMS, and why no correct implementation exc
 - The corpus measures exactly this quantity: `floor_needed` of `parity.calibrate.point_noise` is, per point, the
   largest |Δ| / ulp(RMS(row)) of any element. Pairs of correct implementations it holds, per mode:
     layer (and every mode but free: forced, isolated, ...): the pure-JAX reference vs the PyTorch twin's dump,
-        teacher-forced (`layer`, `forced`);
+        teacher-forced (`layer`, `forced`) and each site fed its dumped inputs (`isolated`);
     free: the same in free mode, and the twin vs transformers' built-in `bailing_hybrid` (an independent
         implementation, both run freely: `twin_vs_native`).
 - bound_rms = nice(SAFETY · worst · UNIT[grid]), per site class × mode × tensor dtype × compute dtype, where
@@ -56,7 +56,7 @@ SAFETY = 8.0
 MIN_ULPS = 4  # smallest bound, in ULPs of the row RMS on the measured grid (a group whose corpus shows no difference)
 UNIT = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23}  # max ulp(x)/x of a normal x: 2^(1-p)
 # measured mode -> the mode group whose bound it informs (pairs of correct implementations; module docstring)
-SOURCES = {"layer": "layer", "forced": "layer", "free": "free", "twin_vs_native": "free"}
+SOURCES = {"layer": "layer", "forced": "layer", "isolated": "layer", "free": "free", "twin_vs_native": "free"}
 BOUNDS_FILE = "safety_bounds.toml"
 
 
