@@ -19,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED_DUMPS = ROOT / "dumps"
 RECORD_KEY = "parity_record"
+DEFAULT_MODES = "layer,isolated"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -29,9 +30,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="checkpoint directory (default: found by the dump's fingerprint among dumps/ckpt/*)")
     g.addoption("--parity-target", default="reference",
                 help="target: 'reference' (pure-JAX Ling3) or 'package.module:Class' (external adapter)")
-    g.addoption("--parity-mode", default="layer", choices=["layer", "free", "forced", "isolated"],
-                help="layer = teacher forcing per layer; free = run from token ids; forced = layer + forced routing; "
-                     "isolated = each sub-module fed its own dumped inputs")
+    g.addoption("--parity-mode", default=DEFAULT_MODES,
+                help="replay mode(s), comma-separated (default: %(default)s — the layer check and the fine instrument "
+                     "in one run): layer = teacher forcing per layer; free = run from token ids; forced = layer + "
+                     "forced routing; isolated = each sub-module fed its own dumped inputs")
     g.addoption("--parity-tolerances", default=None, help="TOML tolerance rules merged over the defaults")
     g.addoption("--parity-tol", action="append", default=[],
                 help="one rule override, e.g. 'mlp.*:layer:bfloat16:max_ulps=8,hard_ulps=64' (repeatable)")
@@ -44,12 +46,33 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # ------------------------------------------------------------------------------------------ session state
 @dataclass
 class DumpEntry:
+    """One replay of the run: a dump in one mode. `run` names it in test ids, records and the report directory: the
+    dump's label alone when the run has one mode, `label/mode` when it has several."""
+
     path: Path
     label: str
+    mode: str = "layer"
+    run: str = ""
+
+    def __post_init__(self) -> None:
+        self.run = self.run or self.label
 
 
 def _dump_label(path: Path) -> str:
     return path.name.removesuffix(".h5")
+
+
+def parity_modes(config: pytest.Config) -> list[str]:
+    """The `--parity-mode` list, validated (a usage error names the bad mode and the valid ones)."""
+    from parity.replay import MODES
+
+    text = config.getoption("--parity-mode", default=DEFAULT_MODES) or DEFAULT_MODES
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes or len(set(modes)) != len(modes):
+        raise pytest.UsageError(f"--parity-mode {text!r}: expected one or more of {', '.join(MODES)}, comma-separated, "
+                                f"each once")
+    return modes
 
 
 def selected_dumps(config: pytest.Config) -> list[DumpEntry]:
@@ -58,7 +81,9 @@ def selected_dumps(config: pytest.Config) -> list[DumpEntry]:
         paths = [Path(p) for p in given]
     else:
         paths = sorted(BUNDLED_DUMPS.glob("*.h5"))
-    return [DumpEntry(p, _dump_label(p)) for p in paths]
+    modes = parity_modes(config)
+    return [DumpEntry(p, _dump_label(p), m, _dump_label(p) if len(modes) == 1 else f"{_dump_label(p)}/{m}")
+            for p in paths for m in modes]
 
 
 class ParitySession:
@@ -79,11 +104,11 @@ class ParitySession:
         return self.readers[entry.label]
 
     def session(self, entry: DumpEntry):
-        if entry.label in self.errors:
-            msg, fail = self.errors[entry.label]
+        if entry.run in self.errors:
+            msg, fail = self.errors[entry.run]
             pytest.fail(msg, pytrace=False) if fail else pytest.skip(msg)
-        if entry.label in self.sessions:
-            return self.sessions[entry.label]
+        if entry.run in self.sessions:
+            return self.sessions[entry.run]
         from parity.errors import TargetError
         from parity.numerics.tolerances import default_rules, load_rules, parse_overrides
         from parity.replay import ModeError, Session
@@ -96,15 +121,15 @@ class ParitySession:
             rules = rules.merged(parse_overrides(opt("--parity-tol")))
         try:
             s = Session.open(self.reader(entry), opt("--parity-ckpt"), target=opt("--parity-target"),
-                             mode=opt("--parity-mode"), rules=rules,
+                             mode=entry.mode, rules=rules,
                              mesh=getattr(self.config, "_parity_mesh", None))  # mesh built in pytest_configure
         except TargetError as e:
-            self.errors[entry.label] = (str(e), False)
+            self.errors[entry.run] = (str(e), False)
             pytest.skip(str(e))
         except ModeError as e:
-            self.errors[entry.label] = (str(e), True)
+            self.errors[entry.run] = (str(e), True)
             pytest.fail(str(e), pytrace=False)
-        self.sessions[entry.label] = s
+        self.sessions[entry.run] = s
         return s
 
     def records(self, entry: DumpEntry, layer) -> dict:
@@ -112,7 +137,7 @@ class ParitySession:
         None); free mode replays the whole model once."""
         from parity.replay import judge, observe, observe_free
 
-        key = (entry.label, layer if self.config.getoption("--parity-mode") != "free" else "free")
+        key = (entry.run, layer if entry.mode != "free" else "free")
         if key not in self.replays:
             s = self.session(entry)
             obs = observe_free(s) if s.mode == "free" else observe(s, layer)
@@ -150,7 +175,7 @@ def parity_params(config: pytest.Config) -> list:
         try:
             dump = sess.reader(entry)
         except ParityError as e:
-            params.append(pytest.param(entry, None, None, id=f"{entry.label}/unreadable",
+            params.append(pytest.param(entry, None, None, id=f"{entry.run}/unreadable",
                                        marks=pytest.mark.parity_error(str(e))))
             continue
         cfg = dump.config
@@ -162,12 +187,12 @@ def parity_params(config: pytest.Config) -> list:
             ph = "prefill" if phase == "prefill" else f"decode_{step}"
             for site in ("embed", "final_norm", "logits"):
                 params.append(pytest.param(entry, (phase, step, None, site), None,
-                                           id=f"{entry.label}/{ph}/model/{site}",
+                                           id=f"{entry.run}/{ph}/model/{site}",
                                            marks=_xdist_group(entry, None)))
             for i in layers:
                 for site in sites_for_config(cfg, i, recorded_inputs=True):
                     params.append(pytest.param(entry, (phase, step, i, site), i,
-                                               id=f"{entry.label}/{ph}/layer_{i}/{site}",
+                                               id=f"{entry.run}/{ph}/layer_{i}/{site}",
                                                marks=_xdist_group(entry, i)))
     return params
 
@@ -176,7 +201,7 @@ def _xdist_group(entry: DumpEntry, layer: int | None):
     """One replay serves every point of a (dump, layer): with -n, its tests run on one worker (under xdist's default
     `load` each worker would replay every layer again). Honoured under `--dist loadgroup`, which `pytest_configure`
     selects. Per layer, not per dump, so a big dump's layers still spread over the workers."""
-    return pytest.mark.xdist_group(f"parity:{entry.label}:{'model' if layer is None else f'L{layer:02d}'}")
+    return pytest.mark.xdist_group(f"parity:{entry.run}:{'model' if layer is None else f'L{layer:02d}'}")
 
 
 def _dist_given(config: pytest.Config) -> bool:
@@ -197,6 +222,8 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.dist = "loadgroup"
     if getattr(config, "workerinput", {}).get("parity_loadgroup"):
         config.option.loadgroup = True  # a worker parses the original args (no --dist): tell it, as xdist would
+    if config.getoption("--parity-mode", default=None) is not None:
+        parity_modes(config)  # a bad mode is one usage error up front
     spec = config.getoption("--parity-mesh", default=None)
     if spec:  # a bad mesh is one usage error up front, not a failure in every test
         from parity.jax_ling3.sharding import mesh_from_spec
@@ -250,7 +277,7 @@ def run_point(request: pytest.FixtureRequest, entry: DumpEntry, point: tuple, la
         phase, step, lay, site = point
         rec = {"phase": phase, "step": step, "layer": lay, "site": site, "status": "missing",
                "reason": "the replay produced no record for this point"}
-    rec = dict(rec, dump=entry.label)
+    rec = dict(rec, dump=entry.run)
     request.node.user_properties.append((RECORD_KEY, json.dumps(rec, default=_jsonable)))
     status = rec["status"]
     if status == "skipped":
@@ -290,7 +317,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
 
     out_root = Path(config.getoption("--parity-report"))
     built, skipped = [], []
-    entries = {e.label: e for e in selected_dumps(config)}
+    entries = {e.run: e for e in selected_dumps(config)}
     for label, recs in sorted(_RECORDS.items()):
         entry = entries.get(label)
         try:
@@ -301,7 +328,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
         for r in recs:
             r.pop("dump", None)
         rep = build_report(cfg, recs, dump=str(entry.path), target=config.getoption("--parity-target"),
-                           mode=config.getoption("--parity-mode"))
+                           mode=entry.mode)
         path = write_reports(rep, out_root / label)
         built.append((rep, path))
     config._parity_built = built
