@@ -1,6 +1,8 @@
 """Detection resolution (parity.numerics.resolution): plants checked against numpy's own grid stepping, and the
 resolution of simple rules against what the rule's definition implies."""
 
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -59,3 +61,31 @@ def test_resolution_refuses_a_failing_pair():
     bad = ref * 2
     with pytest.raises(ValueError, match="fails without a plant"):
         resolution([(ref, bad, ToleranceRule(0, 2, 0.0, None))], "ulps")
+
+
+@pytest.mark.parametrize("mode", ["layer", "isolated"])
+def test_a_detected_plant_is_pinned_to_its_site(mode, tmp_path):
+    """The premise of tools/resolution.py: a perturbation planted in one dumped site that its comparison detects is
+    the report's first divergence *and* its source — here a 64-ULP plant into attention.o_norm of layer 1 of a copy of
+    the bundled tiny-bf16 dump, replayed end to end."""
+    import shutil
+
+    import h5py
+
+    from parity.dumpfile import seal_dump
+    from parity.numerics import default_rules
+    from parity.replay import run_replay
+
+    src = Path(__file__).resolve().parents[1] / "dumps" / "tiny-bf16.h5"
+    dump = tmp_path / "planted.h5"
+    shutil.copy(src, dump)
+    key = "/prefill/L01/attention.o_norm"
+    with h5py.File(dump, "r+") as f:
+        ds = f[key]
+        val = ds[()].view(BF16)
+        ds[...] = plant(val, "ulps", 64, np.random.default_rng(0), "bfloat16").view(np.uint16)
+    seal_dump(dump)
+    rep = run_replay(dump, mode=mode, layers=[0, 1])
+    fd = rep["first_divergence"]
+    assert fd is not None and (fd["phase"], fd["layer"], fd["site"]) == ("prefill", 1, "attention.o_norm"), fd
+    assert (fd["source"]["layer"], fd["source"]["site"]) == (1, "attention.o_norm")
