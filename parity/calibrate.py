@@ -509,6 +509,35 @@ def run_calibration(spec: CorpusSpec, workdir: Path, log=print) -> Measurement:
     return out
 
 
+def remeasure(meas: Measurement, workdir: Path, modes: Sequence[str], log=print) -> Measurement:
+    """Replay the corpus dumps kept in `workdir` (by `run_calibration`) again in `modes` and replace those modes'
+    points and routing records in `meas` — e.g. after a change to how a mode feeds a site, without rebuilding the
+    corpus. Dumps are found by `run_calibration`'s names: `<preset>-s<seed>-T<T>-<bf16|fp32>.h5`, checkpoint
+    `<preset>-s<seed>/`."""
+    import re
+    import time
+
+    workdir = Path(workdir)
+    keep = [p for p in meas.points if p["mode"] not in modes]
+    keep_r = [r for r in meas.routing if r["mode"] not in modes]
+    out = Measurement(points=keep, routing=keep_r, runs=list(meas.runs))
+    pat = re.compile(r"^(?P<name>.+)-s(?P<seed>\d+)-T(?P<T>\d+)-(?P<tag>bf16|fp32)\.h5$")
+    dumps = sorted(p for p in workdir.glob("*.h5") if pat.match(p.name))
+    if not dumps:
+        raise ValueError(f"{workdir}: no corpus dumps (<preset>-s<seed>-T<T>-<bf16|fp32>.h5) to re-measure")
+    for path in dumps:
+        m = pat.match(path.name)
+        cid = f"{m['name']}/s{m['seed']}/T{m['T']}/{m['tag']}"
+        ckpt = workdir / f"{m['name']}-s{m['seed']}"
+        for mode in modes:
+            t0 = time.perf_counter()
+            rep = measure_replay(path, ckpt, mode, cid, out)
+            out.runs.append({"what": f"re-measure {mode} {cid}", "seconds": round(time.perf_counter() - t0, 1),
+                             "counts_old_rules": rep["counts"]})
+            log(f"re-measured {cid} {mode} in {time.perf_counter() - t0:.1f}s: {rep['counts']} (old rules)")
+    return out
+
+
 def routing_summary(routing: list[dict]) -> dict:
     """Top-k flips per (mode, compute dtype): tokens compared, flipped, benign (replay's classification)."""
     s: dict[str, dict] = {}
