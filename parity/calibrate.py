@@ -28,8 +28,9 @@ Proposal (`propose_rules`, documented in the TOML header):
   bf16 grid, free         : same floor; statistical: max_ulps = nice(S · worst p99), allowed_fraction = 0.01,
                             hard_ulps off (drift through layers is not bounded per element).
   isolated (every run)    : the fine instrument — same floor method (p99.9); max_ulps = the smallest of 1, 2, 4, ...
-                            ≥ S · worst p99.9 effective ULP; allowed_fraction as layer; hard_ulps = nice(S · worst max)
-                            where that is ≤ HARD_OFF_ABOVE (a per-element limit where the noise allows one).
+                            ≥ S · worst p99.9 effective ULP; allowed_fraction as layer;
+                            hard_ulps = nice(S · worst max) where that is ≤ HARD_OFF_ABOVE (a per-element limit
+                            where the noise allows one).
   fp32 tier (not isolated): rtol 1e-5 elementwise (DESIGN §5), except elements within floor F fp32-ULPs of their row
                             RMS, F = nice(S · worst rtol_floor_needed) — the floor absorbs cancellation near zero.
 S = `SAFETY` (2), nice() rounds up to 1, 1.5, 2, 3, 4, 6, 8, 12, ... ; minimums in `MINIMUMS`.

@@ -160,8 +160,8 @@ def render_toml(bounds: list[Bound], header: str) -> str:
     lines = [header.rstrip("\n"), "", 'schema = "ling3-parity-tolerances"', "version = 1", ""]
     order = sorted(bounds, key=lambda b: (b.mode != "free", b.cls, b.dtype, b.compute))
     for b in order:
-        lines.append(f"# {b.cls} · {b.mode} · {b.dtype} tensors · compute {b.compute}: worst |Δ| ≤ {b.worst_rms:.3g}×row "
-                     f"RMS over {b.n_points} points, at {b.worst_at}")
+        lines.append(f"# {b.cls} · {b.mode} · {b.dtype} tensors · compute {b.compute}: worst |Δ| ≤ "
+                     f"{b.worst_rms:.3g}×row RMS over {b.n_points} points, at {b.worst_at}")
         for s in b.sites:
             lines.append(_entry(s, "free" if b.mode == "free" else "*", b.dtype, b.compute, b.bound_rms,
                                 f"safety bound: {b.cls}, {b.mode}"))

@@ -120,9 +120,9 @@ class Verdict:
             lines.append(f"Elements outside |Δ| ≤ atol + rtol·|ref| (rtol {r['rtol'] or 0:g}, atol {r['atol'] or 0:g}) "
                          f"after the floor: {self.n_tol_fail} / {self.n}")
         if r.get("bound_rms") is not None and self.n_bound:
-            lines.append(f"Elements beyond the per-element safety bound |Δ| ≤ {r['bound_rms']:g}×row RMS: {self.n_bound} / "
-                         f"{self.n}; furthest at index {self.bound_index} (|Δ| = {_g(self.max_diff_rms, 4)}×row RMS, "
-                         f"ref {_g(self.bound_ref)}, test {_g(self.bound_test)})")
+            lines.append(f"Elements beyond the per-element safety bound |Δ| ≤ {r['bound_rms']:g}×row RMS: "
+                         f"{self.n_bound} / {self.n}; furthest at index {self.bound_index} (|Δ| = "
+                         f"{_g(self.max_diff_rms, 4)}×row RMS, ref {_g(self.bound_ref)}, test {_g(self.bound_test)})")
         if self.nan_inf_mismatches:
             lines.append(f"NaN/Inf mismatches: {self.nan_inf_mismatches}, first at index {self.first_nan_inf_index} "
                          f"(ref {_g(self.first_nan_inf_ref)}, test {_g(self.first_nan_inf_test)})")
@@ -161,8 +161,8 @@ class Verdict:
         if self.n_tol_fail:
             need.append(f"a wider rtol/atol ({self.n_tol_fail} element(s) outside atol + rtol·|ref|)")
         if self.n_bound:
-            need.append(f"bound_rms ≥ {self.max_diff_rms:.3g} — the per-element safety bound ({r['bound_rms']:g}×row "
-                        f"RMS) that no correct implementation is expected to exceed")
+            need.append(f"bound_rms ≥ {self.max_diff_rms:.3g} — the per-element safety bound "
+                        f"({r['bound_rms']:g}×row RMS) that no correct implementation is expected to exceed")
         if not need:
             return []
         return ["Would pass only with all of:"] + [f"  - {x}" for x in need]
@@ -195,9 +195,9 @@ def comparison_grid(tensor_dtype: Any, rule: ToleranceRule | None = None) -> str
     reference produced and stored it in (an fp32 router logit, KDA gate / beta / state or top-k weight of a bf16 run is
     compared in fp32, bf16 activations in bf16) — unless the rule names a `compare_dtype`. Rounding an fp32 tensor to
     bf16 first would erase exactly the rounding a precision-placement bug changes (a router GEMM in bf16 moves the fp32
-    logits by ≤ ½ bf16 ULP: 0 ULP after rounding both sides, up to 2^15 fp32 ULP before). The rule for such a point is
-    looked up by (site, mode, tensor dtype, compute dtype) — e.g. float32 under compute bfloat16 — and is calibrated
-    on that grid for that site class."""
+    logits by ≤ ½ bf16 ULP: 0 ULP after rounding both sides, up to 2^15 fp32 ULP before). The rule for such a
+    point is looked up by (site, mode, tensor dtype, compute dtype) — e.g. float32 under compute bfloat16 — and is
+    calibrated on that grid for that site class."""
     return dtype_name(rule.compare_dtype if rule is not None and rule.compare_dtype else tensor_dtype)
 
 
