@@ -28,13 +28,14 @@ Why a bound in multiples of the row's RMS, and why no correct implementation exc
   worst = the largest `floor_needed` of the group over the corpus and UNIT[grid] = 2^(1-p) = the largest
   ulp(x) / x of a normal x (bf16 2^-7, fp16 2^-10, fp32 2^-23): worst · UNIT ≥ the measured worst |Δ| / RMS (the
   conversion from ULPs of the RMS back to multiples of the RMS overestimates by < 2×). At least MIN_ULPS · UNIT.
-- SAFETY = 8 = 2 × 4:
+- SAFETY = 2 × T (`safety_from_growth`; 12 for the shipped corpus):
     × 2 for other implementations: the measured worst is one pair's disagreement; a third implementation with
         another accumulation order can sit on the other side of the reference, up to both deviations together;
-    × 4 for the tail beyond the corpus: splitting the JAX-vs-twin pairs by seed into two halves, a group's worst over
-        the whole corpus was at most 2.44× (layer) / 3.63× (free) the worst of either half, wherever both halves are
-        above the grid's resolution (`tail_growth`; the tool prints it): 4 covers one more doubling of the corpus
-        at the worst growth seen. The free-mode twin-vs-built-in pairs exist for one seed only (no growth estimate).
+    × T for the tail beyond the corpus: splitting the JAX-vs-twin pairs by seed into two halves, a group's worst over
+        the whole corpus was at most G × the worst of either half, wherever both halves are above the grid's
+        resolution (`tail_growth`; the tool prints it) — G = 4.5 (layer, o_norm of fp32 runs) / 4.04 (free) on the
+        shipped corpus; T = nice_up(G) (6) covers one more doubling of the corpus at the worst growth seen. The
+        free-mode twin-vs-built-in pairs exist for one seed only (no growth estimate).
   The bound is a safety net, not the instrument: real bugs are caught by the ULP criteria long before it.
 - The bound is relative (multiples of the RMS), so it does not depend on the comparison grid: it stays valid when
   an fp32 tensor of a bf16 run is compared in fp32 rather than after rounding to bf16 (DESIGN §5, issue 15).
@@ -52,7 +53,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-SAFETY = 8.0
+SAFETY = 8.0  # the least safety factor: 2 × 4 (safety_from_growth)
 MIN_ULPS = 4  # smallest bound, in ULPs of the row RMS on the measured grid (a group whose corpus shows no difference)
 UNIT = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23}  # max ulp(x)/x of a normal x: 2^(1-p)
 # measured mode -> the mode group whose bound it informs (pairs of correct implementations; module docstring)
@@ -99,6 +100,17 @@ def _pid(p: dict) -> str:
 def worst_rms(p: dict) -> float:
     """A point's largest |Δ| / RMS(row), upper estimate from its `floor_needed` (ULPs of the row RMS on its grid)."""
     return float(p["floor_needed"]) * UNIT[p["grid"]]
+
+
+def safety_from_growth(growth: dict[tuple, tuple[float, float, float]]) -> float:
+    """2 × nice_up(the largest growth full/min(half A, half B) over groups whose halves are both above the grid's
+    resolution, MIN_ULPS ULPs of the RMS) — at least SAFETY."""
+    g = 1.0
+    for (cls, mode, dtype, compute), (a, b, full) in growth.items():
+        res = MIN_ULPS * UNIT["bfloat16" if compute == "bfloat16" else "float32"]
+        if min(a, b) >= res:
+            g = max(g, full / min(a, b))
+    return max(SAFETY, 2 * nice_up(g))
 
 
 def derive_bounds(points: Iterable[dict], safety: float = SAFETY) -> list[Bound]:
@@ -184,4 +196,4 @@ def render_toml(bounds: list[Bound], header: str) -> str:
 
 
 __all__ = ["Bound", "BOUNDS_FILE", "MIN_ULPS", "SAFETY", "SOURCES", "UNIT", "check_points", "derive_bounds",
-           "nice_up", "render_toml", "tail_growth", "worst_rms"]
+           "nice_up", "render_toml", "safety_from_growth", "tail_growth", "worst_rms"]
