@@ -4,6 +4,10 @@ that code to `tests/data/report_tiny-flash-bf16_layer_L2_L5.json`). The expected
 under test; its only claim is "same as before". Layers: 2 = KDA + MoE with a benign routing flip (so the forced
 re-run and `forced_routing` points are pinned), 5 = MLA + MoE (`attention.dense:in`). Reports carry no timing
 fields; should one be added, drop it in `_strip`. A deliberate behaviour change regenerates the file and says why.
+Regenerated for issue 15 (same 250 points, same statuses and counts as the pre-refactor file, checked when
+regenerating): verdicts carry the per-element safety bound (`n_bound`, `max_diff_rms`, `bound_rms` in the rule), fp32
+tensors of the bf16 run are compared in fp32 (their ULP / rel-L2 statistics are now fp32-grid numbers), and the table
+was recalibrated.
 """
 
 from __future__ import annotations
