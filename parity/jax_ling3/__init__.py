@@ -33,6 +33,20 @@ def _mirror_torch_bf16_rounding() -> None:
 
 _mirror_torch_bf16_rounding()
 
+
+def _memory_lean_cpu_schedule() -> None:
+    """XLA:CPU's default concurrency-optimised scheduler starts every weight's fp32 upcast early, so all of a layer's
+    fp32 weight copies are live at once; the plain scheduler converts each one just before its product. Measured on
+    Ling3-Tiny (`compiled.memory_analysis()`): KDA+dense layer temporaries 193 -> 68 MB at T=128, MLA+MoE 89 -> 56 MB,
+    KDA+MoE 156 -> 93 MB at T=512; the same bits (scheduling only); no measurable time change on this 2-core machine.
+    Set before the backend starts, like the flag above; an explicit setting in XLA_FLAGS wins."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
+
+
+_memory_lean_cpu_schedule()
+
 import jax  # noqa: E402
 
 
