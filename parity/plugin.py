@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BUNDLED_DUMPS = ROOT / "dumps"
+from parity.replay.session import BUNDLED_DUMPS  # noqa: E402  (checkout or installed data files)
 RECORD_KEY = "parity_record"
 
 
@@ -35,7 +35,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--parity-tolerances", default=None, help="TOML tolerance rules merged over the defaults")
     g.addoption("--parity-tol", action="append", default=[],
                 help="one rule override, e.g. 'mlp.*:layer:bfloat16:max_ulps=8,hard_ulps=64' (repeatable)")
-    g.addoption("--parity-report", default=str(ROOT / "reports"), help="report directory (one subdirectory per dump)")
+    g.addoption("--parity-report", default="reports",
+                help="report directory (one subdirectory per dump); default ./reports of the current directory")
     g.addoption("--parity-mesh", default=None,
                 help="shard the target's layer params over a device mesh: auto | N | EXPERTSxHEADS (e.g. 4x2)")
     g.addoption("--parity-layers", default=None, help="layers to replay, e.g. 0-3,7 (default all)")
@@ -95,9 +96,11 @@ class ParitySession:
         if opt("--parity-tol"):
             rules = rules.merged(parse_overrides(opt("--parity-tol")))
         try:
+            layers = _parse_layers(opt("--parity-layers"))
             s = Session.open(self.reader(entry), opt("--parity-ckpt"), target=opt("--parity-target"),
                              mode=opt("--parity-mode"), rules=rules,
-                             mesh=getattr(self.config, "_parity_mesh", None))  # mesh built in pytest_configure
+                             mesh=getattr(self.config, "_parity_mesh", None),  # mesh built in pytest_configure
+                             layers=None if layers is None else sorted(layers))
         except TargetError as e:
             self.errors[entry.label] = (str(e), False)
             pytest.skip(str(e))
@@ -119,6 +122,14 @@ class ParitySession:
             recs = [r.to_json() for r in judge(s, obs)]
             self.replays[key] = {(r["phase"], r["step"], r["layer"], r["site"]): r for r in recs}
         return self.replays[key]
+
+
+def target_info(target) -> dict:
+    """`target.describe()` for the report header; a failing describe() is said, never loses the report."""
+    try:
+        return target.describe()
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"describe() failed: {e}"}
 
 
 def _session(config) -> ParitySession:
@@ -174,8 +185,9 @@ def parity_params(config: pytest.Config) -> list:
 
 def _xdist_group(entry: DumpEntry, layer: int | None):
     """One replay serves every point of a (dump, layer): with -n, its tests run on one worker (under xdist's default
-    `load` each worker would replay every layer again). Honoured under `--dist loadgroup`, which `pytest_configure`
-    selects. Per layer, not per dump, so a big dump's layers still spread over the workers."""
+    `load` each worker would replay every layer again). The mark serves an explicit `--dist loadgroup` where pytest
+    keeps xdist's id suffix (< 9.2); by default the scheduler reads the same group from the test id
+    (parity/xdist_groups.py). Per layer, not per dump, so a big dump's layers still spread over the workers."""
     return pytest.mark.xdist_group(f"parity:{entry.label}:{'model' if layer is None else f'L{layer:02d}'}")
 
 
@@ -191,12 +203,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "parity_layer(i): a parity test of layer i")
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one xdist worker (pytest-xdist)")
     config._parity_records = {}
-    if getattr(config.option, "dist", "no") == "load" and not _dist_given(config):
-        # xdist's default for -n spreads a layer's points over all workers, and each worker then replays that layer;
-        # loadgroup keeps a (dump, layer) on one worker and schedules ungrouped tests exactly like load.
-        config.option.dist = "loadgroup"
-    if getattr(config, "workerinput", {}).get("parity_loadgroup"):
-        config.option.loadgroup = True  # a worker parses the original args (no --dist): tell it, as xdist would
+    # xdist's default for -n (`load`) spreads a layer's points over all workers, and each worker then replays that
+    # layer: group them per (dump, layer) instead (parity/xdist_groups.py); another explicit --dist is the user's.
+    dist = getattr(config.option, "dist", "no")
+    config._parity_group_layers = (dist == "load" and not _dist_given(config)) or dist == "loadgroup"
     spec = config.getoption("--parity-mesh", default=None)
     if spec:  # a bad mesh is one usage error up front, not a failure in every test
         from parity.jax_ling3.sharding import mesh_from_spec
@@ -208,10 +218,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node) -> None:
-    """xdist controller: a worker tags each test id with its group only under loadgroup (see pytest_configure)."""
-    if node.config.getvalue("dist") == "loadgroup":
-        node.workerinput["parity_loadgroup"] = True
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """xdist controller: the scheduler that keeps a (dump, layer) on one worker (xdist's loadgroup alone no longer
+    does on pytest >= 9.2, see parity/xdist_groups.py)."""
+    if getattr(config, "_parity_group_layers", False):
+        from parity.xdist_groups import ParityGroupScheduling
+
+        return ParityGroupScheduling(config, log)
+    return None
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -302,6 +316,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
             r.pop("dump", None)
         rep = build_report(cfg, recs, dump=str(entry.path), target=config.getoption("--parity-target"),
                            mode=config.getoption("--parity-mode"))
+        sess = _session(config).sessions.get(label)  # this process's session (absent on an xdist controller)
+        if sess is not None:  # protocol v2: what actually ran, in the report header
+            rep["target_info"] = target_info(sess.target)
         path = write_reports(rep, out_root / label)
         built.append((rep, path))
     config._parity_built = built

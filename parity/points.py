@@ -186,22 +186,24 @@ class Point:
 
 
 def parse_layers(text: str | None, option: str = "--layers") -> list[int] | None:
-    """Layer selection "0-3,7" -> [0, 1, 2, 3, 7] (None for no selection); `option` names the flag in the error."""
+    """Layer selection "0-3,7" -> [0, 1, 2, 3, 7] (None for no selection); an empty or reversed range is refused,
+    `option` names the flag in the error."""
+    import re
+
     from parity.errors import ParityError
 
-    if not text:
+    if text is None:
         return None
     out: list[int] = []
     for part in text.split(","):
-        part = part.strip()
-        try:
-            if "-" in part:
-                a, b = part.split("-", 1)
-                out += list(range(int(a), int(b) + 1))
-            else:
-                out.append(int(part))
-        except ValueError:
-            raise ParityError(f"{option} {text!r}: expected comma-separated layer numbers or ranges like 0-3,7") from None
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not m:
+            raise ParityError(f"{option} {text!r}: {part.strip()!r} is not a layer number or a range; expected "
+                              "comma-separated layer numbers or ranges like 0-3,7")
+        a, b = int(m[1]), int(m[2] if m[2] is not None else m[1])
+        if b < a:
+            raise ParityError(f"{option} {text!r}: range {a}-{b} is empty (start > end); expected a range like {b}-{a}")
+        out += range(a, b + 1)
     return out
 
 

@@ -9,8 +9,9 @@ precision), `testing` (comparison helpers of the tests). The DESIGN §7 target o
 Every numerical function is pure: `(params, inputs, statics) -> (output, points)` (stateful ones also return their new
 state), where `points` maps canonical site names (`parity.points`) to arrays in canonical shapes.
 
-Importing this package turns on JAX's persistent compilation cache (jit compile time dominates layer replay):
-directory `$LING3_JAX_CACHE`, else `$XDG_CACHE_HOME/ling3-parity/jax` (default `~/.cache/...`); set
+Every jitted function here is compiled with `REFERENCE_COMPILER_OPTIONS` (the reference's own XLA options, set
+per computation, not process-wide). Importing this package turns on JAX's persistent compilation cache (jit compile
+time dominates layer replay): directory `$LING3_JAX_CACHE`, else `$XDG_CACHE_HOME/ling3-parity/jax` (default `~/.cache/...`); set
 `LING3_JAX_CACHE=off` to disable.
 """
 
@@ -20,18 +21,22 @@ import os
 from pathlib import Path
 
 
-def _mirror_torch_bf16_rounding() -> None:
+def _reference_compiler_options() -> dict:
     """Keep every bf16 rounding the code asks for. XLA's default `xla_allow_excess_precision=true` drops
     f32→bf16→f32 round trips (e.g. the KDA core cast to bf16 before o_norm, `silu(g)·u` before down_proj), so the
     JAX reference would skip roundings torch does: measured on the bundled tiny-flash bf16 dump, layer 1 o_norm
     differed by up to 0.33 (a near-zero head row amplified by the norm) with it on, by 1 bf16 ULP with it off.
-    XLA reads XLA_FLAGS when its backend starts, so this must run before the first computation."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_allow_excess_precision" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_allow_excess_precision=false").strip()
+
+    Applied per computation (`jax.jit(..., compiler_options=...)`, jax >= 0.4.36) to the suite's own jitted
+    functions only — never through the process-wide XLA_FLAGS — so a port replayed in the same process runs under
+    its production flags (DESIGN §7). `LING3_REFERENCE_XLA_DEFAULTS=1` drops it (to measure the reference under
+    XLA's defaults)."""
+    if os.environ.get("LING3_REFERENCE_XLA_DEFAULTS", "").strip() in ("1", "true", "yes"):
+        return {}
+    return {"xla_allow_excess_precision": False}
 
 
-_mirror_torch_bf16_rounding()
+REFERENCE_COMPILER_OPTIONS = _reference_compiler_options()
 
 
 def _memory_lean_cpu_schedule() -> None:

@@ -45,10 +45,15 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
     """
     from parity.report import build_report
 
-    with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=rules, mesh=mesh) as s:
+    with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=rules, mesh=mesh,
+                      layers=None if layers is None else list(layers)) as s:
         records = [r.to_json() for r in replay_records(s, layers, progress)]
-        return build_report(s.config, records, dump=str(dump_path), target=getattr(s.target, "name", "?"),
-                            mode=mode)
+        rep = build_report(s.config, records, dump=str(dump_path), target=getattr(s.target, "name", "?"),
+                           mode=mode)
+        from parity.plugin import target_info
+
+        rep["target_info"] = target_info(s.target)  # protocol v2: what actually ran
+        return rep
 
 
 __all__ = ["MODES", "ModeError", "Observation", "PointRecord", "Session", "Status", "check_mode", "dump_steps",

@@ -41,13 +41,19 @@ def _judge(session, obs: Observation) -> PointRecord:
             return skipped(point, reason)
         return PointRecord(point, Status.MISSING, reason="the target produces this point but the dump lacks it")
     if obs.test is None:
-        return skipped(point, f"target {session.target.name} does not produce this point")
-    test = np.asarray(obs.test)
-    if test.shape != obs.ref.shape:
-        return shape_mismatch(point, obs.ref.shape, test.shape)
+        why = f" ({obs.why_absent})" if obs.why_absent else ""
+        return skipped(point, f"target {session.target.name} does not produce this point{why}")
+    ref, test = obs.ref, np.asarray(obs.test)
+    if obs.transform is not None:  # protocol v2: the dump's array in the form the target computed
+        ref, test = obs.transform.apply(ref, test)
+    if test.shape != ref.shape:
+        return shape_mismatch(point, ref.shape, test.shape)
     rule = session.rules.rule_for(point.site, session.mode, dump.dtype(point), session.dtype)
-    v = compare(obs.ref, test, rule, name=point.key())
-    return PointRecord(point, Status.PASS if v.passed else Status.FAIL, stats=v.to_dict(),
+    v = compare(ref, test, rule, name=point.key())
+    stats = v.to_dict()
+    if obs.transform is not None:
+        stats["transform"] = obs.transform.note
+    return PointRecord(point, Status.PASS if v.passed else Status.FAIL, stats=stats,
                        message=None if v.passed else v.message())
 
 
@@ -71,7 +77,13 @@ def judge_step(session, observations: list[Observation]) -> list[PointRecord]:
         lg = plain.get("mlp.gate.logits")
         logits_rec = judge_point(session, lg) if lg is not None else None
         logits_ok = logits_rec is None or logits_rec.status in (Status.PASS, Status.SKIPPED)
-        routing, _ = routing_record(session.dump, ids.point, ids.test, None if lg is None else lg.test,
+        test_logits = None if lg is None else lg.test
+        if lg is not None and lg.transform is not None and lg.transform.name == "router_scores" \
+                and test_logits is not None:
+            from parity.targets.taps import scores_to_logits
+
+            test_logits = scores_to_logits(test_logits)  # routing margins are estimated on logits
+        routing, _ = routing_record(session.dump, ids.point, ids.test, test_logits,
                                     ids.expert_bias, session.dump.config, logits_ok=logits_ok)
         recs["mlp.gate.topk_idx"] = _with(routing, ids)
         if logits_rec is not None:

@@ -42,6 +42,7 @@ class Observation:
             (the judge uses it for the router's downstream points when routing differs benignly).
     positions: absolute token positions of this step; feeds: the dumped sites an isolated site was fed.
     expert_bias: the layer's router bias (routing analysis of `mlp.gate.topk_idx`).
+    transform / why_absent: see the fields (protocol v2, targets read through taps).
     """
 
     point: Point
@@ -53,6 +54,10 @@ class Observation:
     positions: np.ndarray | None = None
     feeds: tuple[str, ...] | None = None
     expert_bias: np.ndarray | None = field(default=None, repr=False)
+    # protocol v2: a declared transform (`parity.targets.taps.Transform`) mapping the dump's array into the form the
+    # target computed, and the target's own reason when it did not produce the point
+    transform: Any = None
+    why_absent: str | None = None
 
 
 @dataclass

@@ -11,7 +11,24 @@ from parity.errors import DumpError, ParityError, TargetError
 from parity.points import Point
 
 ROOT = Path(__file__).resolve().parents[2]
-BUNDLED_DUMPS = ROOT / "dumps"
+
+
+def _bundled_dir() -> Path:
+    """The bundled dumps: `dumps/` of this checkout, else where a non-editable install put them
+    (<prefix>/share/ling3-parity/dumps, pyproject `data-files`)."""
+    import sys
+
+    here = ROOT / "dumps"
+    if here.is_dir():
+        return here
+    for prefix in (sys.prefix, sys.base_prefix):
+        p = Path(prefix) / "share" / "ling3-parity" / "dumps"
+        if p.is_dir():
+            return p
+    return here
+
+
+BUNDLED_DUMPS = _bundled_dir()
 BUNDLED_CKPTS = BUNDLED_DUMPS / "ckpt"
 
 MODES = ("layer", "free", "forced", "isolated")
@@ -76,10 +93,12 @@ class Session:
 
     @classmethod
     def open(cls, dump, ckpt_dir: str | Path | None = None, *, target=None, mode: str = "layer", rules=None,
-             mesh=None) -> "Session":
+             mesh=None, layers: list[int] | None = None) -> "Session":
         """Open a dump (path or DumpReader), find its checkpoint, resolve and build the target ('reference' by
         default; a name as `--parity-target` takes, a Target class or instance), with the default rules unless
-        given. `mesh`: a jax Mesh or a `--parity-mesh` spec such as "4x2". The session owns a dump it opened."""
+        given. `mesh`: a jax Mesh or a `--parity-mesh` spec such as "4x2". The session owns a dump it opened.
+        A target that loads from disk (`needs_checkpoint_dir`, protocol v2) is given the checkpoint directory and the
+        `layers` the replay will visit (None: all)."""
         from parity.dumpfile import DumpReader
         from parity.jax_ling3.weights import CheckpointReader
         from parity.numerics.tolerances import default_rules
@@ -89,13 +108,16 @@ class Session:
         try:
             tgt = _target(target)
             check_mode(mode, tgt)  # before building: a mode error costs nothing
-            ckpt = CheckpointReader(find_checkpoint(reader.fingerprint, ckpt_dir))
+            ckpt_path = find_checkpoint(reader.fingerprint, ckpt_dir)
+            ckpt = CheckpointReader(ckpt_path)
             dtype = reader.meta.get("compute_dtype", "bfloat16")
             if isinstance(mesh, str):
                 from parity.jax_ling3.sharding import mesh_from_spec
 
                 mesh = mesh_from_spec(mesh)
             tgt.build(reader.config, dtype, **({"mesh": mesh} if mesh is not None else {}))
+            if getattr(tgt, "needs_checkpoint_dir", False):
+                tgt.use_checkpoint_dir(ckpt_path, layers)
             s = cls(dump=reader, ckpt=ckpt, target=tgt, rules=rules or default_rules(), mode=mode, dtype=dtype)
         except BaseException:
             if owned:

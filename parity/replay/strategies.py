@@ -47,14 +47,17 @@ def _positions(s: Session, phase: str, step: int, T: int) -> np.ndarray:
 
 
 def _layer_observations(s: Session, phase: str, step: int, i: int, pts: dict, forced_pts: dict | None, bias,
-                        positions) -> Iterator[Observation]:
+                        positions, res=None) -> Iterator[Observation]:
+    tf = getattr(res, "transforms", None) or {}
+    why = getattr(res, "missing", None) or {}
     for site in sites_for_config(s.config, i, recorded_inputs=True):
         pt = Point(phase, step, i, site)
         ref = _read(s, pt)
-        yield Observation(pt, ref, pts.get(site), s.mode, positions=positions, expert_bias=bias)
+        yield Observation(pt, ref, pts.get(site), s.mode, positions=positions, expert_bias=bias,
+                          transform=tf.get(site), why_absent=why.get(site))
         if forced_pts is not None and site in ROUTER_DOWNSTREAM:
             yield Observation(pt, ref, forced_pts.get(site), s.mode, forced=True, positions=positions,
-                              expert_bias=bias)
+                              expert_bias=bias, transform=tf.get(site))
 
 
 def _points(res, hidden=None) -> dict:
@@ -91,7 +94,7 @@ def observe_layer(s: Session, i: int) -> Iterator[Observation]:
             if (not forcing and ref_topk is not None and can_force
                     and _routing_differs(pts.get("mlp.gate.topk_idx"), ref_topk)):
                 forced_pts = _points(s.target.layer_forward(i, hidden, positions, prev_state, forced_topk=ref_topk))
-            yield from _layer_observations(s, phase, step, i, pts, forced_pts, bias, positions)
+            yield from _layer_observations(s, phase, step, i, pts, forced_pts, bias, positions, res)
     finally:
         s.target.unload_layer(i)
 
@@ -151,7 +154,7 @@ def observe_free(s: Session, progress=None) -> Iterator[Observation]:
                 positions = _positions(s, phase, step, h.shape[1])
                 res = s.target.layer_forward(i, h, positions, state)
                 state = res.state
-                yield from _layer_observations(s, phase, step, i, _points(res, h), None, bias, positions)
+                yield from _layer_observations(s, phase, step, i, _points(res, h), None, bias, positions, res)
                 hiddens[(phase, step)] = res.output
         finally:
             s.target.unload_layer(i)

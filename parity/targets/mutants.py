@@ -505,7 +505,10 @@ class MutantTarget(ReferenceTarget):
                 with patched(patches):
                     return layer.decoder_layer(p, h, positions, spec, state, forced_idx)
 
-            self._jit = jax.jit(mutated_layer, static_argnames=("spec",))
+            from parity.jax_ling3 import REFERENCE_COMPILER_OPTIONS
+
+            self._jit = jax.jit(mutated_layer, static_argnames=("spec",),
+                                compiler_options=REFERENCE_COMPILER_OPTIONS)
         return self._jit
 
 

@@ -379,7 +379,9 @@ def _isolated(p, x, st, site, spec):
 def _make_isolated_jit():
     import jax
 
-    return jax.jit(_isolated, static_argnames=("site", "spec"))
+    from parity.jax_ling3 import REFERENCE_COMPILER_OPTIONS
+
+    return jax.jit(_isolated, static_argnames=("site", "spec"), compiler_options=REFERENCE_COMPILER_OPTIONS)
 
 
 class _LazyJit:

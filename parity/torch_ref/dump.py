@@ -49,6 +49,8 @@ class DumpOptions:
     # the forward already keeps every core busy, and the thread measured no gain (README "Performance").
     write_thread: bool | None = None
     compression: str = "lzf"  # dumpfile.COMPRESSIONS: "lzf" (default) or "none" (cheaper writes, ~15 % bigger)
+    # runtime "remote" runs the checkpoint's own Python files only if True, or if they are the suite's twin
+    trust_remote_code: bool = False
 
 
 @dataclass
@@ -252,15 +254,14 @@ def dump_checkpoint(
     extra_meta: dict | None = None,
 ) -> DumpSummary:
     """Dump prefill over `input_ids` ([B,T], equal lengths) + `opts.decode_steps` decode steps into `out_path`."""
-    from parity.dumpfile import DumpWriter, fingerprint_checkpoint
+    from parity.dumpfile import DumpWriter, check_output_path, fingerprint_checkpoint
     from parity.torch_ref.loader import load_model
 
     opts = opts or DumpOptions()
     ids = check_batch(input_ids)
     ckpt_dir = Path(ckpt_dir)
     out_path = Path(out_path)
-    if out_path.exists() and not opts.force:
-        raise ParityError(f"{out_path}: a dump already exists; pass --force to replace it (it is never overwritten silently)")
+    check_output_path(out_path, force=opts.force)
     if opts.dtype not in DTYPES:
         raise ParityError(f"--dtype {opts.dtype!r}: expected one of bf16, fp32")
     if opts.continuation_ids is not None and len(opts.continuation_ids) < opts.decode_steps:
@@ -277,7 +278,8 @@ def dump_checkpoint(
     t0 = time.perf_counter()
     cpu_kernels = opts.cpu_kernels if opts.cpu_kernels is not None else opts.device == "cpu"
     loaded = load_model(ckpt_dir, opts.runtime, dtype=DTYPES[opts.dtype], device=opts.device,
-                        cpu_kernels=cpu_kernels and opts.runtime == "remote")
+                        cpu_kernels=cpu_kernels and opts.runtime == "remote",
+                        trust_remote_code=opts.trust_remote_code)
     try:
         model = loaded.model
         model.eval()

@@ -201,8 +201,13 @@ def load_model(
     cpu_kernels: bool | None = None,
     layer_types: list[str] | None = None,
     config_overrides: dict[str, Any] | None = None,
+    trust_remote_code: bool | None = None,
 ) -> LoadedModel:
     """Load `ckpt_dir` as runtime `remote` or `native` with the guards of the module docstring.
+
+    `trust_remote_code` (remote only): True runs the checkpoint's own Python files; False runs them only when they
+    are the suite's twin byte for byte (`parity.torch_ref.remote_code`), else CheckpointError; None (the default of
+    callers that predate the opt-in) runs them unchecked. Recorded in guards["remote_code"].
 
     `cpu_kernels` (default: device == "cpu") installs the fla CPU stand-ins before a `remote` load; ignored for
     `native`. `layer_types` overrides the built-in's layer kinds (`native` only; default from the config, §2).
@@ -235,6 +240,16 @@ def load_model(
         if not raw.get("auto_map", {}).get("AutoModelForCausalLM"):
             raise CheckpointError(f"{ckpt / 'config.json'}: no auto_map.AutoModelForCausalLM; the remote runtime needs "
                                   "the checkpoint's own modeling file")
+        from parity.torch_ref.remote_code import describe_code, twin_mismatch
+
+        not_twin = twin_mismatch(ckpt)
+        if not_twin and trust_remote_code is False:
+            raise CheckpointError(f"{ckpt}: the remote runtime runs the checkpoint's own Python code "
+                                  f"({describe_code(ckpt)}; {not_twin}); pass trust_remote_code=True "
+                                  "(--trust-remote-code) if you trust it, or use the native runtime")
+        guards["remote_code"] = {"files": describe_code(ckpt), "suite_twin": not not_twin,
+                                 "trusted": "explicitly" if trust_remote_code else
+                                            ("as the suite's twin" if not not_twin else "unchecked")}
         rs = raw.get("rope_scaling")
         if rs not in (None, {}) and not (isinstance(rs, dict) and rs.get("rope_type", rs.get("type")) == "default"
                                          and len(rs) <= 2):
