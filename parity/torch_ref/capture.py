@@ -158,6 +158,12 @@ RUNTIME_MAPS: dict[str, list[TapSpec]] = {
     "native": _NATIVE,
 }
 
+# Why a map lacks a site (recorded with the site in the dump's unavailable table).
+UNEXPOSED = {
+    ("official", "attention.gate"): "the official MLA computes its head gate as an inline sigmoid of g_proj (no module, "
+                                    "method or function call to read it from)",
+}
+
 # Sites read from fla_cpu's KDA observer (official file on CPU): observer key -> site.
 OBSERVER_SITES = {"gate": "attention.gate", "beta": "attention.beta", "core": "attention.core",
                   "state": "attention.state"}
@@ -254,6 +260,9 @@ class Capture:
         n = self.cfg.num_hidden_layers
         have = self.provided_sites(n) | {s.site for s in RUNTIME_MAPS[self.map_name] if s.mtp_calls}
         return [s for s in mtp_sites(self.cfg) if s not in have]
+
+    def unexposed_reason(self, site: str) -> str:
+        return UNEXPOSED.get((self.map_name, site), f"the {self.map_name} runtime does not expose {site}")
 
     def _applies(self, spec: TapSpec, i: int) -> bool:
         mtp = i >= self.cfg.num_hidden_layers

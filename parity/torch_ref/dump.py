@@ -23,6 +23,7 @@ import torch
 
 from parity.config import Ling3Config
 from parity.errors import ParityError
+from parity.mtp_points import mtp_group
 from parity.points import Point, sites_for_config
 from parity.torch_ref.capture import Capture, runtime_map_name, to_numpy
 
@@ -49,6 +50,9 @@ class DumpOptions:
     # the forward already keeps every core busy, and the thread measured no gain (README "Performance").
     write_thread: bool | None = None
     compression: str = "lzf"  # dumpfile.COMPRESSIONS: "lzf" (default) or "none" (cheaper writes, ~15 % bigger)
+    # MTP layers (group MTP{j}, parity.mtp_points): None = captured when every main layer is dumped (no --layers)
+    mtp: bool | None = None
+    semantics_probe: bool = True  # probe the semantic forks (parity.torch_ref.semantics) into the `semantics` attr
 
 
 @dataclass
@@ -133,15 +137,39 @@ def _determinism(seed: int) -> dict:
 
 
 CAUSALITY_RTOL = 1e-3  # causal: exactly 0 measured (bf16 and fp32); a leak: 7-35 % of the output scale (tiny-flash)
+# The guard runs on the first GUARD_MAX_TOKENS prompt tokens: causality is structural, and > 64 tokens takes the
+# official KDA's chunked kernel (its recurrent one is checked by prompts ≤ 64). Bounds its cost on long prompts
+# (README "Performance": the guard's share of a Ling3-Tiny-shaped dump).
+GUARD_MAX_TOKENS = 128
+
+NATIVE_LIMITS = ("transformers' built-in bailing_hybrid is Flash-shaped: no q-LoRA (q_lora_rank must be null), no "
+                 "SwiGLU clamp (expert_/share_expert_swiglu_limit_list must be null or all 0), no MTP layer")
+
+
+def check_native_supports(cfg: Ling3Config, ckpt_dir) -> None:
+    """Refuse, in one line and before loading, a checkpoint the native runtime cannot represent (NATIVE_LIMITS):
+    q-LoRA would load with random q weights refused later; a clamp would be silently ignored."""
+    why = []
+    if cfg.q_lora:
+        why.append(f"q_lora_rank = {cfg.q_lora_rank}")
+    if cfg.has_swiglu_clamp:
+        why.append("SwiGLU clamp limits are set")
+    if why:
+        raise ParityError(f"{ckpt_dir}: --runtime native cannot dump this checkpoint ({'; '.join(why)}): "
+                          f"{NATIVE_LIMITS}")
 
 
 def _attention_modules(model) -> list[tuple[int, torch.nn.Module]]:
-    """(layer index, token-mixing module) of every main decoder layer: `attention` (official/twin) or `self_attn`
-    (transformers' built-in bailing_hybrid). The MTP layer (kept after the main layers) is not in the forward."""
+    """(layer index, token-mixing module) of every decoder layer: `attention` (official/twin) or `self_attn`
+    (transformers' built-in bailing_hybrid), the MTP layers' (after the main layers) included where the model has
+    them (they run in the forward when num_nextn_predict_layers > 0)."""
     out = []
-    for i, layer in enumerate(model.model.layers[:model.config.num_hidden_layers]):
+    n = model.config.num_hidden_layers
+    for i, layer in enumerate(model.model.layers):
         mod = getattr(layer, "attention", None) or getattr(layer, "self_attn", None)
         if mod is None:
+            if i >= n:
+                continue
             raise ParityError(f"causality guard: decoder layer {i} ({type(layer).__name__}) has no attention/self_attn")
         out.append((i, mod))
     return out
@@ -164,7 +192,7 @@ def causality_guard(model, input_ids: torch.Tensor, *, rtol: float = CAUSALITY_R
     earlier rows by an ULP, and 24 random layers amplify that to 15 % of the logit scale (measured on a generated
     Ling3-Tiny). Comparing a shorter prefix mixes in kernel-path noise: the official KDA is recurrent up to 64
     tokens and chunked beyond.)"""
-    ids = torch.as_tensor(input_ids)
+    ids = torch.as_tensor(input_ids)[:, :GUARD_MAX_TOKENS]
     T = ids.shape[1]
     if T < 2:
         return {"checked": False, "reason": "prompt of one token"}
@@ -182,9 +210,12 @@ def causality_guard(model, input_ids: torch.Tensor, *, rtol: float = CAUSALITY_R
         for h in handles:
             h.remove()
     worst = {"max_abs_diff": 0.0}
+    n = model.config.num_hidden_layers
     with torch.no_grad():
         for i, mod in _attention_modules(model):
             if i not in calls:
+                if i >= n:
+                    continue  # an MTP layer the runtime builds but does not run
                 raise ParityError(f"causality guard: the attention module of layer {i} was not called in a prefill")
             args, kwargs = calls[i]
             key = "hidden_states" if "hidden_states" in kwargs else None
@@ -210,6 +241,12 @@ def causality_guard(model, input_ids: torch.Tensor, *, rtol: float = CAUSALITY_R
     return {"checked": True, "causal": True,
             "method": "each layer's attention module: rows from L on replaced, earlier outputs unchanged",
             "prompt_length": T, "prefix_lengths": lengths, "layers": len(calls), "rtol": rtol, **worst}
+
+
+def _mtp_capture(opts: DumpOptions, cfg: Ling3Config) -> bool:
+    if cfg.num_nextn_predict_layers <= 0:
+        return False
+    return opts.layers is None if opts.mtp is None else bool(opts.mtp)
 
 
 def _cache_snapshot(pkv, cfg: Ling3Config, layer: int) -> dict[str, torch.Tensor]:
@@ -273,6 +310,8 @@ def dump_checkpoint(
     bad = [i for i in layers if not 0 <= i < cfg.num_hidden_layers]
     if bad:
         raise ParityError(f"--layers {bad}: the model has layers 0..{cfg.num_hidden_layers - 1}")
+    if opts.runtime == "native":
+        check_native_supports(cfg, ckpt_dir)
 
     t0 = time.perf_counter()
     cpu_kernels = opts.cpu_kernels if opts.cpu_kernels is not None else opts.device == "cpu"
@@ -284,8 +323,15 @@ def dump_checkpoint(
         device = next(model.parameters()).device
         guards = dict(loaded.guards)
         t_ids = torch.as_tensor(ids, device=device)
+        t_guard = time.perf_counter()
         if opts.causality_check:
             guards["causality"] = causality_guard(model, t_ids)
+            guards["causality"]["seconds"] = round(time.perf_counter() - t_guard, 3)
+        semantics = None
+        if opts.semantics_probe:
+            from parity.torch_ref.semantics import probe
+
+            semantics = probe(model, cfg, t_ids)
         guards["decode_positions"] = "explicit position_ids and cache_position at every decode step"
         guards["batch"] = f"{ids.shape[0]} sequence(s) of equal length {ids.shape[1]} (no padding)"
         t_load = time.perf_counter() - t0
@@ -308,6 +354,7 @@ def dump_checkpoint(
             "stats_only": opts.stats_only,
             "layers_dumped": layers,
             "sites_filter": list(opts.sites) if opts.sites else [],
+            **({"semantics": semantics} if semantics is not None else {}),
             **(extra_meta or {}),
         }
         map_name = runtime_map_name(model, "native" if opts.runtime == "native" else "remote")
@@ -331,15 +378,25 @@ def dump_checkpoint(
                 (background.put if background else write_point)(point, arr, attrs)
 
             try:
-                cap = Capture(model, cfg, map_name, sink, layers=layers, sites=opts.sites)
+                want_mtp = _mtp_capture(opts, cfg)
+                cap = Capture(model, cfg, map_name, sink, layers=layers, sites=opts.sites, mtp=want_mtp)
                 unavailable: dict[str, str] = {}
                 for i in layers:
                     for site in cap.unavailable_sites(i):
                         if cap.wants(i, site):
-                            unavailable[f"L{i:02d}/{site}"] = f"the {map_name} runtime does not expose {site}"
+                            unavailable[f"L{i:02d}/{site}"] = cap.unexposed_reason(site)
                 all_tokens = [ids]
                 progress = _progress(opts.progress, (1 + opts.decode_steps) * len(layers))
                 with cap, torch.no_grad():
+                    if want_mtp:
+                        for j in range(cfg.num_nextn_predict_layers):
+                            if cfg.num_hidden_layers + j not in cap.mtp_layers:
+                                unavailable[f"{mtp_group(j)}/*"] = (f"the {map_name} runtime has no MTP layer "
+                                                                    f"model.layers.{cfg.num_hidden_layers + j}")
+                            else:
+                                for site in cap.unavailable_mtp_sites():
+                                    if cap.wants(cfg.num_hidden_layers + j, site):
+                                        unavailable[f"{mtp_group(j)}/{site}"] = cap.unexposed_reason(site)
                     _count_layers(model, cfg, layers, progress, cap)
                     cap.begin("prefill", 0, B, T)
                     pos = torch.arange(T, device=device)
@@ -369,10 +426,18 @@ def dump_checkpoint(
                 raise
             if background:
                 background.close()  # the remaining points are written; a write error is raised here
-            missing = [p.key() for s in [("prefill", 0)] + [("decode", k) for k in range(1, opts.decode_steps + 1)]
-                       for p in cap.missing(*s)]
+            steps = [("prefill", 0)] + [("decode", k) for k in range(1, opts.decode_steps + 1)]
+            mtp_ran = bool(cap.mtp_layers) and cap.mtp_ran("prefill", 0)
+            if cap.mtp_layers and not mtp_ran:  # e.g. a twin copy older than its MTP forward
+                for j in range(len(cap.mtp_layers)):
+                    unavailable[f"{mtp_group(j)}/*"] = f"the {map_name} runtime builds the MTP layer but does not run it"
+            missing = [p.key() for s in steps for p in cap.missing(*s, mtp=mtp_ran)]
             for key in missing:
                 unavailable[key] = "hook registered but did not fire"
+            # a site the map lacks may still have come from the cache snapshot (KDA conv_state): then it is not
+            # unavailable
+            got = {f"{p.h5_parts()[1]}/{p.site}" for p in written if p.phase == "prefill"}
+            unavailable = {k: v for k, v in unavailable.items() if k not in got}
             for pattern, reason in sorted(unavailable.items()):
                 writer.mark_unavailable(pattern, reason)
             writer.write_tokens(np.concatenate(all_tokens, axis=1), T)

@@ -27,6 +27,7 @@ from pathlib import Path
 from parity.errors import CheckpointError, ParityError
 
 OFFICIAL_FILE = "modeling_bailing_moe_v3.py"
+CONFIG_FILE = "configuration_bailing_moe_v3.py"
 OFFICIAL_SHA256 = "c2509bf7ac580c262e2581d34d6403aa21682d2e10beb9ad85ad8820a7e33a40"
 OFFICIAL_BYTES = 73194
 ENV_VAR = "LING3_OFFICIAL_MODELING"
@@ -77,19 +78,20 @@ def available() -> tuple[bool, str]:
 
 
 def install(ckpt_dir: str | os.PathLike) -> Path:
-    """Replace the checkpoint's modeling file by the verified official one (the configuration class stays: the
-    official file imports it from the same directory). Returns the installed path."""
+    """Replace the checkpoint's modeling file by the verified official one, and its configuration class by the
+    suite's (which defines every attribute the official file reads; the official file imports it from the same
+    directory). Returns the installed modeling file's path."""
+    from parity.torch_ref import TWIN_DIR
+
     src = locate()
     ckpt = Path(ckpt_dir)
     if not (ckpt / "config.json").is_file():
         raise CheckpointError(f"{ckpt}: no config.json; expected a checkpoint directory made by tools/make_ckpt.py")
-    if not (ckpt / "configuration_bailing_moe_v3.py").is_file():
-        raise CheckpointError(f"{ckpt}: no configuration_bailing_moe_v3.py; the official modeling file imports its "
-                              "configuration class from it (make the checkpoint with tools/make_ckpt.py)")
-    dst = ckpt / OFFICIAL_FILE
-    shutil.copyfile(src, dst)
-    os.chmod(dst, 0o644)
-    return dst
+    for f, origin in ((CONFIG_FILE, TWIN_DIR / CONFIG_FILE), (OFFICIAL_FILE, src)):
+        dst = ckpt / f
+        shutil.copyfile(origin, dst)
+        os.chmod(dst, 0o644)
+    return ckpt / OFFICIAL_FILE
 
 
 def is_official(ckpt_dir: str | os.PathLike) -> bool:

@@ -63,6 +63,9 @@ class BailingMoeV3Config(PretrainedConfig):
         use_bias=False,
         initializer_range=0.006,
         use_cache=True,
+        attention_dropout=0.0,
+        mtp_loss_scaling_factor=0.0,
+        output_router_logits=False,
         tie_word_embeddings=False,
         pad_token_id=156892,
         eos_token_id=156895,
@@ -127,6 +130,11 @@ class BailingMoeV3Config(PretrainedConfig):
         self.use_bias = use_bias
         self.initializer_range = initializer_range
         self.use_cache = use_cache
+        # Read by the official modeling file (MLA dropout in training, the MTP loss weight, the MoE router-logit
+        # outputs): every attribute it reads must exist (tests/test_official.py derives the list from its source).
+        self.attention_dropout = attention_dropout
+        self.mtp_loss_scaling_factor = mtp_loss_scaling_factor
+        self.output_router_logits = output_router_logits
         self.twin_apply_swiglu_clamp = twin_apply_swiglu_clamp
         self.twin_quirk_noncausal_sdpa = twin_quirk_noncausal_sdpa
         self.twin_quirk_uninit_inv_freq = twin_quirk_uninit_inv_freq
@@ -138,6 +146,11 @@ class BailingMoeV3Config(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
+        # `rope_scaling` stays a plain None (official_remote_code.md §1.5): 5.x's PretrainedConfig turns it into
+        # {rope_type: default, rope_theta} (then the official MLA reads ["factor"]: KeyError), and without any value
+        # `config.rope_scaling` raises AttributeError (5.x aliases it to `rope_parameters`). Set under its 5.x name,
+        # after the base class (whose `rope_scaling` setter warns).
+        self.rope_parameters = None
         # Guard against a `layer_types` sneaking in through kwargs (see module docstring).
         if "layer_types" in self.__dict__:
             del self.__dict__["layer_types"]
