@@ -66,6 +66,7 @@ class DumpSummary:
     unavailable: dict = field(default_factory=dict)
     seconds_write: float = 0.0  # of seconds_forward: inside the HDF5 writer (compression, I/O, final flush + seal)
     array_bytes: int = 0  # uncompressed bytes of the arrays written (0 for --stats-only)
+    semantics: dict | None = None  # the `semantics` root attr (parity.semantics), None when not probed
 
 
 def point_stats(arr: np.ndarray) -> dict:
@@ -444,7 +445,7 @@ def dump_checkpoint(
             n_points = len(written)
         t_fwd = time.perf_counter() - t1
         return DumpSummary(out_path, n_points, out_path.stat().st_size, t_load, t_fwd, guards, unavailable,
-                           writer.seconds_writing, writer.array_bytes)
+                           writer.seconds_writing, writer.array_bytes, semantics)
     finally:
         loaded.release()  # uninstall the fla stand-ins this load installed (the model keeps its bound names)
 
