@@ -490,6 +490,22 @@ class DumpWriter:
         ds.attrs["json_keys"] = json.dumps(sorted(json_keys))
         self._stats.add(point)
 
+    def set_meta(self, key: str, value: Any) -> None:
+        """Set (or replace) one root attribute of the caller's meta after the writer was opened — for facts known only
+        once the forward ran (e.g. a guard run on the prefill's own inputs). The writer's own attrs are refused."""
+        self._check_open()
+        if key in WRITER_META:
+            raise DumpError(f"{self.path}: root attr {key!r} is set by the writer itself")
+        attrs, json_keys = _encode_attrs({key: value}, where=f"{self.path} meta")
+        root = self._f.attrs
+        keys = set(json.loads(_attr_value(root["json_keys"])))
+        keys.discard(key)
+        keys.update(json_keys)
+        if key in root:
+            del root[key]
+        root[key] = attrs[key]
+        root["json_keys"] = json.dumps(sorted(keys))
+
     def mark_unavailable(self, point_or_pattern: Point | str, reason: str) -> None:
         """Record a point (or a site pattern such as `L03/attention.gate`) the runtime cannot provide, and why."""
         self._check_open()

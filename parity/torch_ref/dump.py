@@ -141,7 +141,7 @@ CAUSALITY_RTOL = 1e-3  # causal: exactly 0 measured (bf16 and fp32); a leak: 7-3
 # The guard runs on the first GUARD_MAX_TOKENS prompt tokens: causality is structural, and > 64 tokens takes the
 # official KDA's chunked kernel (its recurrent one is checked by prompts ≤ 64). Bounds its cost on long prompts
 # (README "Performance": the guard's share of a Ling3-Tiny-shaped dump).
-GUARD_MAX_TOKENS = 128
+GUARD_MAX_TOKENS = 80
 
 NATIVE_LIMITS = ("transformers' built-in bailing_hybrid is Flash-shaped: no q-LoRA (q_lora_rank must be null), no "
                  "SwiGLU clamp (expert_/share_expert_swiglu_limit_list must be null or all 0), no MTP layer")
@@ -176,60 +176,133 @@ def _attention_modules(model) -> list[tuple[int, torch.nn.Module]]:
     return out
 
 
+KDA_LAYERS_CHECKED = 1  # KDA attention modules the causality guard re-runs (the first ones; see causality_guard)
+
+
+def _guarded_modules(model, cfg: Ling3Config | None) -> list[tuple[int, torch.nn.Module]]:
+    """The attention modules the causality guard checks: every MLA (and MTP) layer's, the first KDA layers' (all of
+    them without a config to tell the kinds)."""
+    out, kda = [], 0
+    n = model.config.num_hidden_layers
+    for i, mod in _attention_modules(model):
+        if cfg is not None and i < n and cfg.layer_kind(i) == "kda":
+            kda += 1
+            if kda > KDA_LAYERS_CHECKED:
+                continue
+        out.append((i, mod))
+    return out
+
+
 def _first_tensor(x):
     return x if isinstance(x, torch.Tensor) else next(t for t in x if isinstance(t, torch.Tensor))
 
 
-def causality_guard(model, input_ids: torch.Tensor, *, rtol: float = CAUSALITY_RTOL) -> dict:
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache_params")
+
+
+def _cut_call(args: tuple, kwargs: dict, T: int, Tg: int, where: str) -> tuple[tuple, dict]:
+    """A recorded prefill call of an attention module, cut to its first Tg positions and without the cache (the
+    runtimes' known call arguments: hidden states, 2-D / 4-D attention masks, RoPE tables, positions)."""
+    def cut(name, v):
+        if name in _CACHE_KWARGS:
+            return None
+        if name == "use_cache":
+            return False
+        if isinstance(v, tuple) and name == "position_embeddings":
+            return tuple(t[:, :Tg] for t in v)
+        if not isinstance(v, torch.Tensor) or T == Tg:
+            return v
+        if name == "attention_mask" and v.dim() == 4:
+            return v[:, :, :Tg, :Tg]
+        if name == "cache_position" and v.dim() == 1:
+            return v[:Tg]
+        if v.dim() >= 2 and v.shape[1] == T:
+            return v[:, :Tg]
+        if T in v.shape:
+            raise ParityError(f"causality guard: {where}: cannot cut its argument {name} {tuple(v.shape)} to "
+                              f"{Tg} positions")
+        return v
+
+    args = tuple(cut("hidden_states" if j == 0 else f"arg{j}", a) for j, a in enumerate(args))
+    return args, {k: cut(k, v) for k, v in kwargs.items()}
+
+
+def record_guarded_calls(model, cfg: Ling3Config | None) -> tuple[dict, list]:
+    """Pre-hooks recording the first call of each guarded attention module (see causality_guard): (calls, handles);
+    remove the handles after the forward."""
+    calls: dict[int, tuple] = {}
+    handles = []
+    for i, mod in _guarded_modules(model, cfg):
+        def record(_m, args, kwargs, i=i):
+            calls.setdefault(i, (args, dict(kwargs)))
+        handles.append(mod.register_forward_pre_hook(record, with_kwargs=True))
+    return calls, handles
+
+
+def causality_guard(model, input_ids: torch.Tensor, *, rtol: float = CAUSALITY_RTOL,
+                    cfg: Ling3Config | None = None, recorded: dict | None = None) -> dict:
     """Per-layer causality test of the token-mixing modules (official_remote_code.md §2).
 
-    One prefill records, for every decoder layer, the call of its attention module (KDA or MLA: the only modules that
-    mix tokens). Each module is then called again on its recorded input, and on that input with every row from
-    position L on replaced; a causal module's outputs at positions < L do not move (same shapes, same kernel path,
-    masked terms contribute exact zeros), a leaking one moves them by a large fraction of the output scale.
+    The prefill of the dump itself (`recorded`, from `record_guarded_calls`), or else one prefill of the base model,
+    records the call of each checked attention module (KDA or MLA: the only modules that mix tokens): every MLA layer's (MTP layers included where they
+    run; the mask handling of ORC §2 lives there), and the first KDA layer's — the KDA code path takes no mask (the
+    official KDA drops it), so one layer exercises it, and it is the costly one (`KDA_LAYERS_CHECKED`). Each module
+    is then called once more, on its first GUARD_MAX_TOKENS positions and without a cache, on a batch of variants of
+    its recorded input: the input itself, and for each prefix length L the input with every row from position L on
+    replaced. A causal module's outputs at positions < L equal
+    those of the unchanged variant in the same call (same shapes, same kernel path, masked terms contribute exact
+    zeros); a leaking one moves them by a large fraction of the output scale. Cost: one batched call per checked
+    layer, plus a base-model prefill when nothing was recorded (README "Performance": the guard's share of a
+    Ling3-Tiny-shaped dump).
 
     (Comparing whole-model logits instead — session-1's form of this guard — is exact on small models but not on a
     24-layer bf16 one: the MoE's per-expert GEMMs change shape when later tokens change their routing, which moves
     earlier rows by an ULP, and 24 random layers amplify that to 15 % of the logit scale (measured on a generated
     Ling3-Tiny). Comparing a shorter prefix mixes in kernel-path noise: the official KDA is recurrent up to 64
     tokens and chunked beyond.)"""
-    ids = torch.as_tensor(input_ids)[:, :GUARD_MAX_TOKENS]
-    T = ids.shape[1]
+    ids = torch.as_tensor(input_ids)
+    B, T_full = ids.shape
+    T = min(T_full, GUARD_MAX_TOKENS)
     if T < 2:
         return {"checked": False, "reason": "prompt of one token"}
-    lengths = sorted({L for L in (1, T // 4, T // 2, T - 1) if 1 <= L < T})
-    calls: dict[int, tuple] = {}
-    handles = []
-    for i, mod in _attention_modules(model):
-        def record(_m, args, kwargs, i=i):
-            calls.setdefault(i, (args, dict(kwargs)))
-        handles.append(mod.register_forward_pre_hook(record, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
+    lengths = sorted({L for L in (T // 4, T // 2, T - 1) if 1 <= L < T})  # position 0 is before every L
+    checked = _guarded_modules(model, cfg)
+    if recorded is None:
+        calls, handles = record_guarded_calls(model, cfg)
+        try:
+            with torch.no_grad():
+                # the base model only: the attention inputs are all it needs, and the LM head is the biggest GEMM of
+                # a real-vocabulary model (Ling3-Tiny: 157k x 1536 per token)
+                getattr(model, "model", model)(input_ids=ids[:, :T], use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        T_rec = T
+    else:
+        calls, T_rec = recorded, T_full
     worst = {"max_abs_diff": 0.0}
     n = model.config.num_hidden_layers
     with torch.no_grad():
-        for i, mod in _attention_modules(model):
+        for i, mod in checked:
             if i not in calls:
                 if i >= n:
                     continue  # an MTP layer the runtime builds but does not run
                 raise ParityError(f"causality guard: the attention module of layer {i} was not called in a prefill")
-            args, kwargs = calls[i]
+            args, kwargs = _cut_call(*calls[i], T_rec, T, f"layer {i}'s {type(mod).__name__}")
             key = "hidden_states" if "hidden_states" in kwargs else None
             x = kwargs[key] if key else args[0]
-
-            def run(h):
-                return _first_tensor(mod(**{**kwargs, key: h}) if key else mod(h, *args[1:], **kwargs)).float()
-
-            ref = run(x)
-            for L in lengths:
-                alt = x.clone()
-                alt[:, L:] = -x[:, L:].flip(1) + 1  # other rows of the same scale from position L on
-                d = float((run(alt)[:, :L] - ref[:, :L]).abs().max())
+            # one call on all variants, stacked along the batch (the mask / RoPE tables broadcast over it): the
+            # recorded input first, then one variant per L with other rows of the same scale from position L on
+            alt = x.repeat(1 + len(lengths), 1, 1)
+            for j, L in enumerate(lengths, start=1):
+                alt[j * B:(j + 1) * B, L:] = -x[:, L:].flip(1) + 1
+            out = _first_tensor(mod(**{**kwargs, key: alt}) if key else mod(alt, *args[1:], **kwargs)).float()
+            if out.shape[0] != alt.shape[0]:
+                raise ParityError(f"causality guard: layer {i}'s {type(mod).__name__} returned batch {out.shape[0]} "
+                                  f"for a batch of {alt.shape[0]} input variants")
+            ref = out[:B]
+            for j, L in enumerate(lengths, start=1):
+                d = float((out[j * B:(j + 1) * B, :L] - ref[:, :L]).abs().max())
                 scale = float(ref[:, :L].abs().max().clamp_min(1e-30))
                 if d > worst["max_abs_diff"]:
                     worst = {"max_abs_diff": d, "layer": i, "prefix_length": L, "output_scale": scale}
@@ -240,8 +313,10 @@ def causality_guard(model, input_ids: torch.Tensor, *, rtol: float = CAUSALITY_R
                         f"max|Δ| = {d:.3g} (> {rtol:g} × max|out| {scale:.3g}); load with attn_implementation='eager' "
                         "(official_remote_code.md §2)")
     return {"checked": True, "causal": True,
-            "method": "each layer's attention module: rows from L on replaced, earlier outputs unchanged",
-            "prompt_length": T, "prefix_lengths": lengths, "layers": len(calls), "rtol": rtol, **worst}
+            "method": "each layer's attention module, one batched call: its recorded prefill input and, per L, that "
+                      "input with the rows from L on replaced; outputs before L unchanged",
+            "prompt_length": T, "inputs": "the dump's prefill" if recorded is not None else "a base-model prefill",
+            "prefix_lengths": lengths, "layers": sorted(calls), "rtol": rtol, **worst}
 
 
 def _mtp_capture(opts: DumpOptions, cfg: Ling3Config) -> bool:
@@ -324,10 +399,8 @@ def dump_checkpoint(
         device = next(model.parameters()).device
         guards = dict(loaded.guards)
         t_ids = torch.as_tensor(ids, device=device)
-        t_guard = time.perf_counter()
-        if opts.causality_check:
-            guards["causality"] = causality_guard(model, t_ids)
-            guards["causality"]["seconds"] = round(time.perf_counter() - t_guard, 3)
+        if opts.causality_check:  # run on the prefill's own inputs, right after it (see below)
+            guards["causality"] = {"checked": False, "reason": "the dump did not finish its prefill"}
         semantics = None
         if opts.semantics_probe:
             from parity.torch_ref.semantics import probe
@@ -401,8 +474,14 @@ def dump_checkpoint(
                     _count_layers(model, cfg, layers, progress, cap)
                     cap.begin("prefill", 0, B, T)
                     pos = torch.arange(T, device=device)
-                    out = model(input_ids=t_ids, position_ids=pos[None].expand(B, T), cache_position=pos,
-                                attention_mask=torch.ones(B, T, dtype=torch.long, device=device), use_cache=True)
+                    guard_calls, guard_hooks = (record_guarded_calls(model, cfg) if opts.causality_check
+                                                else ({}, []))
+                    try:
+                        out = model(input_ids=t_ids, position_ids=pos[None].expand(B, T), cache_position=pos,
+                                    attention_mask=torch.ones(B, T, dtype=torch.long, device=device), use_cache=True)
+                    finally:
+                        for h in guard_hooks:
+                            h.remove()
                     pkv = out.past_key_values
                     _snapshot(cap, sink, written, pkv, cfg, layers, "prefill", 0, opts)
                     logits = out.logits
@@ -421,6 +500,12 @@ def dump_checkpoint(
                         pkv, logits = out.past_key_values, out.logits
                         _snapshot(cap, sink, written, pkv, cfg, layers, "decode", k, opts)
                 progress.close()
+                if opts.causality_check:  # outside the capture (its hooks must not see the guard's calls); a leak
+                    t_guard = time.perf_counter()  # raises here: the dump is abandoned, no file is left
+                    with torch.no_grad():
+                        guards["causality"] = causality_guard(model, t_ids, cfg=cfg, recorded=guard_calls)
+                    guards["causality"]["seconds"] = round(time.perf_counter() - t_guard, 3)
+                    writer.set_meta("guards", guards)
             except BaseException:
                 if background:
                     background.close(raise_error=False)  # stop writing before the writer deletes its file
