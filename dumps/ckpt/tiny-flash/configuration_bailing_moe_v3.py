@@ -1,7 +1,9 @@
 """BailingMoeV3Config for the ling3-parity *twin* remote code (Ling3 = HF `bailing_hybrid`, `BailingMoeV3ForCausalLM`).
 
 Self-contained (imports only transformers): this file is copied into checkpoint directories and loaded through
-`auto_map` with `trust_remote_code=True`. Field names and defaults follow the official `config.json` (facts sheet §1,
+`auto_map` with `trust_remote_code=True` — by the twin, and by the official `modeling_bailing_moe_v3.py` when
+`parity.torch_ref.official.install` puts that file into a checkpoint: it defines every attribute the official file
+reads (tests/test_official.py lists them from the file's syntax tree). Field names and defaults follow the official `config.json` (facts sheet §1,
 Ling-3.0-tiny values). Deliberately NO `layer_types` attribute: with one, `DynamicCache(config=...)` builds
 linear-attention cache layers and the official cache layout breaks in `generate()` (official_remote_code.md §1.6).
 
