@@ -24,7 +24,7 @@ import torch
 from parity.config import Ling3Config
 from parity.errors import ParityError
 from parity.mtp_points import mtp_group
-from parity.points import Point, sites_for_config
+from parity.points import Point
 from parity.torch_ref.capture import Capture, runtime_map_name, to_numpy
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -627,13 +627,3 @@ def _count_layers(model, cfg, layers, progress, cap: Capture) -> None:
 
                 cap.handles.append(mods[name].register_forward_hook(tick))
                 break
-
-
-def expected_points(cfg: Ling3Config, layers: Sequence[int], decode_steps: int) -> list[Point]:
-    """Every canonical point a full dump of these layers holds (before runtime unavailability)."""
-    out = []
-    for phase, step in [("prefill", 0)] + [("decode", k) for k in range(1, decode_steps + 1)]:
-        out += [Point(phase, step, None, s) for s in ("embed", "final_norm", "logits")]
-        for i in layers:
-            out += [Point(phase, step, i, s) for s in sites_for_config(cfg, i)]
-    return out
