@@ -43,8 +43,6 @@ RUNTIMES = ("remote", "native")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 BUILTIN_MODULE = "transformers.models.bailing_hybrid.modeling_bailing_hybrid"
 NATIVE_LAYER_TYPES = {"kda": "linear_attention", "mla": "full_attention"}
-# Prefix test tolerance, relative to the largest |logit| at the compared positions. A non-causal MLA is off by O(1)
-# (ORC §2: up to 2.5; the twin's quirk ~2.1 on logits of magnitude ~4); fp32 prefix-vs-full noise is ~1e-6 relative.
 
 
 @dataclass
