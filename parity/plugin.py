@@ -17,8 +17,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-from parity.replay.session import BUNDLED_DUMPS  # noqa: E402  (checkout or installed data files)
+from parity.replay.session import BUNDLED_DUMPS, target_info  # noqa: E402  (checkout or installed data files)
 RECORD_KEY = "parity_record"
+# `layer` works for every target; `isolated` needs the target's `isolated` capability (external ports often lack it),
+# so a run of both is asked for: `--parity-mode layer,isolated` (CI: tests/test_parity_modes.py)
+DEFAULT_MODES = "layer"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -29,9 +32,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="checkpoint directory (default: found by the dump's fingerprint among dumps/ckpt/*)")
     g.addoption("--parity-target", default="reference",
                 help="target: 'reference' (pure-JAX Ling3) or 'package.module:Class' (external adapter)")
-    g.addoption("--parity-mode", default="layer", choices=["layer", "free", "forced", "isolated"],
-                help="layer = teacher forcing per layer; free = run from token ids; forced = layer + forced routing; "
-                     "isolated = each sub-module fed its own dumped inputs")
+    g.addoption("--parity-mode", default=DEFAULT_MODES,
+                help="replay mode(s), comma-separated (default: %(default)s; `layer,isolated` = the layer check and the "
+                     "fine instrument in one run): layer = teacher forcing per layer; free = run from token ids; forced = layer + "
+                     "forced routing; isolated = each sub-module fed its own dumped inputs")
     g.addoption("--parity-tolerances", default=None, help="TOML tolerance rules merged over the defaults")
     g.addoption("--parity-tol", action="append", default=[],
                 help="one rule override, e.g. 'mlp.*:layer:bfloat16:max_ulps=8,hard_ulps=64' (repeatable)")
@@ -45,8 +49,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # ------------------------------------------------------------------------------------------ session state
 @dataclass
 class DumpEntry:
+    """One replay of the run: a dump in one mode. `run` names it in test ids, records and the report directory: the
+    dump's label alone when the run has one mode, `label/mode` when it has several."""
+
     path: Path
     label: str
+    mode: str = "layer"
+    run: str = ""
+
+    def __post_init__(self) -> None:
+        self.run = self.run or self.label
 
 
 def _safe_label(text: str) -> str:
@@ -68,6 +80,19 @@ def dump_labels(paths: list[Path]) -> list[str]:
     return out
 
 
+def parity_modes(config: pytest.Config) -> list[str]:
+    """The `--parity-mode` list, validated (a usage error names the bad mode and the valid ones)."""
+    from parity.replay import MODES
+
+    text = config.getoption("--parity-mode", default=DEFAULT_MODES) or DEFAULT_MODES
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes or len(set(modes)) != len(modes):
+        raise pytest.UsageError(f"--parity-mode {text!r}: expected one or more of {', '.join(MODES)}, comma-separated, "
+                                f"each once")
+    return modes
+
+
 def selected_dumps(config: pytest.Config) -> list[DumpEntry]:
     given = config.getoption("--parity-dump")
     if given:
@@ -78,7 +103,9 @@ def selected_dumps(config: pytest.Config) -> list[DumpEntry]:
                 paths.append(p)
     else:
         paths = sorted(BUNDLED_DUMPS.glob("*.h5"))
-    return [DumpEntry(p, lab) for p, lab in zip(paths, dump_labels(paths))]
+    modes = parity_modes(config)
+    return [DumpEntry(p, lab, m, lab if len(modes) == 1 else f"{lab}/{m}")
+            for p, lab in zip(paths, dump_labels(paths)) for m in modes]
 
 
 class ParitySession:
@@ -116,26 +143,26 @@ class ParitySession:
         opt = self.config.getoption
         layers = _parse_layers(opt("--parity-layers"))
         s = Session.open(self.reader(entry), opt("--parity-ckpt"), target=opt("--parity-target"),
-                         mode=opt("--parity-mode"), rules=self.rules(),
+                         mode=entry.mode, rules=self.rules(),
                          mesh=getattr(self.config, "_parity_mesh", None),  # mesh built in pytest_configure
                          layers=None if layers is None else sorted(layers))
-        self.sessions[entry.label] = s
+        self.sessions[entry.run] = s
         return s
 
     def session(self, entry: DumpEntry):
         """The dump's session (opened up front by pytest_sessionstart, or here in an xdist worker). A session that
         cannot be opened fails every test of the dump with the same one line (never a skip: a target that cannot be
         built must not give a green run)."""
-        if entry.label in self.errors:
-            pytest.fail(self.errors[entry.label][0], pytrace=False)
-        if entry.label in self.sessions:
-            return self.sessions[entry.label]
+        if entry.run in self.errors:
+            pytest.fail(self.errors[entry.run][0], pytrace=False)
+        if entry.run in self.sessions:
+            return self.sessions[entry.run]
         from parity.errors import ParityError
 
         try:
             return self.open_session(entry)
         except ParityError as e:
-            self.errors[entry.label] = (str(e), True)
+            self.errors[entry.run] = (str(e), True)
             pytest.fail(str(e), pytrace=False)
 
     def records(self, entry: DumpEntry, layer) -> dict:
@@ -143,21 +170,13 @@ class ParitySession:
         None); free mode replays the whole model once."""
         from parity.replay import judge, observe, observe_free
 
-        key = (entry.label, layer if self.config.getoption("--parity-mode") != "free" else "free")
+        key = (entry.run, layer if entry.mode != "free" else "free")
         if key not in self.replays:
             s = self.session(entry)
             obs = observe_free(s) if s.mode == "free" else observe(s, layer)
             recs = [r.to_json() for r in judge(s, obs)]
             self.replays[key] = {(r["phase"], r["step"], r["layer"], r["site"]): r for r in recs}
         return self.replays[key]
-
-
-def target_info(target) -> dict:
-    """`target.describe()` for the report header; a failing describe() is said, never loses the report."""
-    try:
-        return target.describe()
-    except Exception as e:  # noqa: BLE001
-        return {"error": f"describe() failed: {e}"}
 
 
 def _session(config) -> ParitySession:
@@ -190,7 +209,7 @@ def parity_params(config: pytest.Config) -> list:
         try:
             owed = owed_points(sess.reader(entry), layers_opt)
         except ParityError as e:  # refused up front (pytest_sessionstart) unless run without it, e.g. in a worker
-            params.append(pytest.param(entry, None, None, id=f"{entry.label}/unreadable",
+            params.append(pytest.param(entry, None, None, id=f"{entry.run}/unreadable",
                                        marks=pytest.mark.parity_error(str(e))))
             continue
         for o in owed:
@@ -205,7 +224,7 @@ def parity_params(config: pytest.Config) -> list:
                     f"{entry.path}: holds {p.key()}, which is not a point of its model (layer kinds and sites of "
                     "parity/points.py): no replay compares it"))
             params.append(pytest.param(entry, (p.phase, p.step, p.layer, p.site), p.layer,
-                                       id=f"{entry.label}/{ph}/{lay}/{p.site}", marks=marks))
+                                       id=f"{entry.run}/{ph}/{lay}/{p.site}", marks=marks))
     return params
 
 
@@ -214,7 +233,7 @@ def _xdist_group(entry: DumpEntry, layer: int | None):
     `load` each worker would replay every layer again). The mark serves an explicit `--dist loadgroup` where pytest
     keeps xdist's id suffix (< 9.2); by default the scheduler reads the same group from the test id
     (parity/xdist_groups.py). Per layer, not per dump, so a big dump's layers still spread over the workers."""
-    return pytest.mark.xdist_group(f"parity:{entry.label}:{'model' if layer is None else f'L{layer:02d}'}")
+    return pytest.mark.xdist_group(f"parity:{entry.run}:{'model' if layer is None else f'L{layer:02d}'}")
 
 
 def _dist_given(config: pytest.Config) -> bool:
@@ -277,7 +296,7 @@ def _up_front(config: pytest.Config) -> None:
             if build:
                 sess.open_session(entry)
             else:
-                prepare(reader, opt("--parity-ckpt"), target=opt("--parity-target"), mode=opt("--parity-mode"))
+                prepare(reader, opt("--parity-ckpt"), target=opt("--parity-target"), mode=entry.mode)
     except ParityError as e:
         raise pytest.UsageError(str(e)) from None
 
@@ -297,6 +316,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # layer: group them per (dump, layer) instead (parity/xdist_groups.py); another explicit --dist is the user's.
     dist = getattr(config.option, "dist", "no")
     config._parity_group_layers = (dist == "load" and not _dist_given(config)) or dist == "loadgroup"
+    if config.getoption("--parity-mode", default=None) is not None:
+        parity_modes(config)  # a bad mode is one usage error up front
     spec = config.getoption("--parity-mesh", default=None)
     if spec:  # a bad mesh is one usage error up front, not a failure in every test
         from parity.jax_ling3.sharding import mesh_from_spec
@@ -358,8 +379,8 @@ def run_point(request: pytest.FixtureRequest, entry: DumpEntry, point: tuple, la
         why = ("the dump lacks it (its model has this point at a step the dump was made with; deleted or lost?)"
                if not sess.reader(entry).has(p) else "the replay produced no record for this point")
         rec = {"phase": phase, "step": step, "layer": lay, "site": site, "status": "missing", "reason": why,
-               "message": f"{entry.label}: {p.key()} missing: {why}"}
-    rec = dict(rec, dump=entry.label)
+               "message": f"{entry.run}: {p.key()} missing: {why}"}
+    rec = dict(rec, dump=entry.run)
     request.node.user_properties.append((RECORD_KEY, json.dumps(rec, default=_jsonable)))
     status = rec["status"]
     if status == "skipped":
@@ -403,13 +424,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
 
     out_root = Path(config.getoption("--parity-report"))
     built, skipped = [], []
-    entries = {e.label: e for e in selected_dumps(config)}
+    entries = {e.run: e for e in selected_dumps(config)}
     layers_opt = _parse_layers(config.getoption("--parity-layers"))
     statuses: dict[str, int] = {}
-    fed = config.getoption("--parity-mode") != "free"  # teacher forcing feeds a layer its dumped `input`
     compared = 0
     for label, recs in sorted(_RECORDS.items()):
         entry = entries.get(label)
+        fed = entry is None or entry.mode != "free"  # teacher forcing feeds a layer its dumped `input`
         dump_compared = 0
         for r in recs:
             statuses[r.get("status")] = statuses.get(r.get("status"), 0) + 1
@@ -427,7 +448,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
         recs = recs + not_tested_records(reader, {(r["phase"], r["step"], r["layer"], r["site"]) for r in recs},
                                          layers_opt)
         rep = build_report(cfg, recs, dump=str(entry.path), target=config.getoption("--parity-target"),
-                           mode=config.getoption("--parity-mode"))
+                           mode=entry.mode)
         if not dump_compared:
             rep["passed"] = False
             rep["note"] = "no point of this dump was compared"

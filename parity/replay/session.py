@@ -220,3 +220,11 @@ def prepare(dump, ckpt_dir=None, *, target=None, mode: str = "layer"):
             reader.close()
         raise
     return reader, owned, tgt, ckpt_path, ckpt
+
+
+def target_info(target) -> dict:
+    """`target.describe()` for the report header (protocol v2); a failing describe() is said, never loses the report."""
+    try:
+        return target.describe()
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"describe() failed: {e}"}
