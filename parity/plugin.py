@@ -61,8 +61,23 @@ class DumpEntry:
         self.run = self.run or self.label
 
 
-def _dump_label(path: Path) -> str:
-    return path.name.removesuffix(".h5")
+def _safe_label(text: str) -> str:
+    """A label is a test-id part and a report subdirectory: one harmless path component (never '', '.', '..')."""
+    lab = re.sub(r"[^A-Za-z0-9._+-]", "_", text).lstrip(".")
+    return lab or "dump"
+
+
+def dump_labels(paths: list[Path]) -> list[str]:
+    """One unique label per dump: the file name without `.h5`; dumps sharing a name get their folder's name too
+    (`tiny-bf16@before`, `tiny-bf16@after`), and a number if that is not enough."""
+    stems = [_safe_label(p.name.removesuffix(".h5")) for p in paths]
+    labels = [st if stems.count(st) == 1 else f"{st}@{_safe_label(p.resolve().parent.name)}"
+              for p, st in zip(paths, stems)]
+    out, seen = [], {}
+    for lab in labels:
+        seen[lab] = seen.get(lab, 0) + 1
+        out.append(lab if labels.count(lab) == 1 else f"{lab}-{seen[lab]}")
+    return out
 
 
 def parity_modes(config: pytest.Config) -> list[str]:
@@ -81,12 +96,16 @@ def parity_modes(config: pytest.Config) -> list[str]:
 def selected_dumps(config: pytest.Config) -> list[DumpEntry]:
     given = config.getoption("--parity-dump")
     if given:
-        paths = [Path(p) for p in given]
+        paths, seen = [], set()
+        for p in map(Path, given):  # the same file twice is refused up front (pytest_sessionstart)
+            if p.resolve() not in seen:
+                seen.add(p.resolve())
+                paths.append(p)
     else:
         paths = sorted(BUNDLED_DUMPS.glob("*.h5"))
     modes = parity_modes(config)
-    return [DumpEntry(p, _dump_label(p), m, _dump_label(p) if len(modes) == 1 else f"{_dump_label(p)}/{m}")
-            for p in paths for m in modes]
+    return [DumpEntry(p, lab, m, lab if len(modes) == 1 else f"{lab}/{m}")
+            for p, lab in zip(paths, dump_labels(paths)) for m in modes]
 
 
 class ParitySession:
@@ -106,36 +125,45 @@ class ParitySession:
             self.readers[entry.label] = DumpReader(entry.path)
         return self.readers[entry.label]
 
-    def session(self, entry: DumpEntry):
-        if entry.run in self.errors:
-            msg, fail = self.errors[entry.run]
-            pytest.fail(msg, pytrace=False) if fail else pytest.skip(msg)
-        if entry.run in self.sessions:
-            return self.sessions[entry.run]
-        from parity.errors import TargetError
+    def rules(self):
         from parity.numerics.tolerances import default_rules, load_rules, parse_overrides
-        from parity.replay import ModeError, Session
 
         opt = self.config.getoption
         rules = default_rules()
         if opt("--parity-tolerances"):
             rules = rules.merged(load_rules(opt("--parity-tolerances")))
         if opt("--parity-tol"):
-            rules = rules.merged(parse_overrides(opt("--parity-tol")))
-        try:
-            layers = _parse_layers(opt("--parity-layers"))
-            s = Session.open(self.reader(entry), opt("--parity-ckpt"), target=opt("--parity-target"),
-                             mode=entry.mode, rules=rules,
-                             mesh=getattr(self.config, "_parity_mesh", None),  # mesh built in pytest_configure
-                             layers=None if layers is None else sorted(layers))
-        except TargetError as e:
-            self.errors[entry.run] = (str(e), False)
-            pytest.skip(str(e))
-        except ModeError as e:
-            self.errors[entry.run] = (str(e), True)
-            pytest.fail(str(e), pytrace=False)
+            rules = rules.merged(parse_overrides(opt("--parity-tol"), source="--parity-tol"))
+        return rules
+
+    def open_session(self, entry: DumpEntry):
+        """Open (and build the target for) one dump's replay session; ParityError with one line when it cannot."""
+        from parity.replay import Session
+
+        opt = self.config.getoption
+        layers = _parse_layers(opt("--parity-layers"))
+        s = Session.open(self.reader(entry), opt("--parity-ckpt"), target=opt("--parity-target"),
+                         mode=entry.mode, rules=self.rules(),
+                         mesh=getattr(self.config, "_parity_mesh", None),  # mesh built in pytest_configure
+                         layers=None if layers is None else sorted(layers))
         self.sessions[entry.run] = s
         return s
+
+    def session(self, entry: DumpEntry):
+        """The dump's session (opened up front by pytest_sessionstart, or here in an xdist worker). A session that
+        cannot be opened fails every test of the dump with the same one line (never a skip: a target that cannot be
+        built must not give a green run)."""
+        if entry.run in self.errors:
+            pytest.fail(self.errors[entry.run][0], pytrace=False)
+        if entry.run in self.sessions:
+            return self.sessions[entry.run]
+        from parity.errors import ParityError
+
+        try:
+            return self.open_session(entry)
+        except ParityError as e:
+            self.errors[entry.run] = (str(e), True)
+            pytest.fail(str(e), pytrace=False)
 
     def records(self, entry: DumpEntry, layer) -> dict:
         """{(phase, step, layer, site): report.json record} for one layer (or the model-level points when layer is
@@ -168,37 +196,35 @@ def _parse_layers(text: str | None):
 
 
 def parity_params(config: pytest.Config) -> list:
-    """One param per (dump, phase, step, layer, site) the dump holds or declares unavailable."""
+    """One param per point a replay of each dump owes (`parity.replay.coverage`): every site of every layer of the
+    dump's model at every step it was made with, and any other point the dump holds. Points not compared by choice
+    (the dump's own --layers/--sites, --parity-layers) get no test: the report lists them as not tested."""
     from parity.errors import ParityError
-    from parity.points import sites_for_config
-    from parity.replay import dump_steps
+    from parity.replay.coverage import owed_points
 
     sess = _session(config)
     layers_opt = _parse_layers(config.getoption("--parity-layers"))
     params = []
     for entry in selected_dumps(config):
         try:
-            dump = sess.reader(entry)
-        except ParityError as e:
+            owed = owed_points(sess.reader(entry), layers_opt)
+        except ParityError as e:  # refused up front (pytest_sessionstart) unless run without it, e.g. in a worker
             params.append(pytest.param(entry, None, None, id=f"{entry.run}/unreadable",
                                        marks=pytest.mark.parity_error(str(e))))
             continue
-        cfg = dump.config
-        steps = dump_steps(dump) or [("prefill", 0)]
-        layers = sorted(set(dump.layers("prefill", 0)) - {None})
-        if layers_opt is not None:
-            layers = [i for i in layers if i in layers_opt]
-        for phase, step in steps:
-            ph = "prefill" if phase == "prefill" else f"decode_{step}"
-            for site in ("embed", "final_norm", "logits"):
-                params.append(pytest.param(entry, (phase, step, None, site), None,
-                                           id=f"{entry.run}/{ph}/model/{site}",
-                                           marks=_xdist_group(entry, None)))
-            for i in layers:
-                for site in sites_for_config(cfg, i, recorded_inputs=True):
-                    params.append(pytest.param(entry, (phase, step, i, site), i,
-                                               id=f"{entry.run}/{ph}/layer_{i}/{site}",
-                                               marks=_xdist_group(entry, i)))
+        for o in owed:
+            if o.not_tested:
+                continue
+            p = o.point
+            ph = "prefill" if p.phase == "prefill" else f"decode_{p.step}"
+            lay = "model" if p.layer is None else f"layer_{p.layer}"
+            marks = [_xdist_group(entry, p.layer)]
+            if o.unknown:
+                marks.append(pytest.mark.parity_error(
+                    f"{entry.path}: holds {p.key()}, which is not a point of its model (layer kinds and sites of "
+                    "parity/points.py): no replay compares it"))
+            params.append(pytest.param(entry, (p.phase, p.step, p.layer, p.site), p.layer,
+                                       id=f"{entry.run}/{ph}/{lay}/{p.site}", marks=marks))
     return params
 
 
@@ -215,6 +241,70 @@ def _dist_given(config: pytest.Config) -> bool:
     args = (list(config.invocation_params.args) + os.environ.get("PYTEST_ADDOPTS", "").split()
             + list(config.getini("addopts")))
     return any(a in ("-d", "--distload", "--dist") or a.startswith("--dist=") for a in args)
+
+
+def _runs_parity(config: pytest.Config) -> bool:
+    """Does this run collect the parity tests (`pytest parity`, `pytest` with the ini's testpaths, a port's
+    `pytest --pyargs parity`)? Only then are the parity options and dumps checked up front."""
+    import importlib.util
+
+    test_file = (Path(__file__).parent / "test_points.py").resolve()
+    for arg in config.args:
+        path = arg.split("::", 1)[0]
+        if config.option.pyargs:
+            try:
+                spec = importlib.util.find_spec(path)
+            except (ImportError, ValueError):
+                spec = None
+            if spec is not None and spec.origin:
+                path = str(Path(spec.origin).parent if spec.submodule_search_locations else spec.origin)
+        p = (Path(config.invocation_params.dir) / path).resolve()
+        if p == test_file or p in test_file.parents:
+            return True
+    return False
+
+
+def _up_front(config: pytest.Config) -> None:
+    """Every option, dump, checkpoint and the target checked once, before any test: a problem is one usage error
+    (one line, exit status 4), never a traceback or a skip per test (DESIGN §10). In one process the sessions opened
+    here serve the tests; an xdist controller checks everything but the target's build (its workers build)."""
+    from parity.errors import ParityError
+    from parity.replay.session import prepare
+
+    opt = config.getoption
+    sess = _session(config)
+    seen: dict[Path, str] = {}
+    for p in map(Path, opt("--parity-dump") or ()):
+        if p.resolve() in seen:
+            raise pytest.UsageError(f"--parity-dump {p}: given twice (also as {seen[p.resolve()]})")
+        seen[p.resolve()] = str(p)
+    entries = selected_dumps(config)
+    if not entries:
+        raise pytest.UsageError(f"no dump to replay: no --parity-dump and no *.h5 in {BUNDLED_DUMPS}")
+    build = not (hasattr(config, "workerinput") or getattr(config.option, "dist", "no") != "no"
+                 or config.getoption("collectonly"))
+    try:
+        layers = _parse_layers(opt("--parity-layers"))
+        sess.rules()
+        for entry in entries:
+            reader = sess.reader(entry)
+            n = reader.config.num_hidden_layers
+            if layers is not None and not layers <= set(range(n)):
+                raise ParityError(f"--parity-layers {opt('--parity-layers')!r}: layer(s) "
+                                  f"{sorted(layers - set(range(n)))} not in the model of {entry.path} "
+                                  f"(layers 0..{n - 1})")
+            if build:
+                sess.open_session(entry)
+            else:
+                prepare(reader, opt("--parity-ckpt"), target=opt("--parity-target"), mode=entry.mode)
+    except ParityError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    config = session.config
+    if not hasattr(config, "workerinput") and _runs_parity(config):
+        _up_front(config)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -282,9 +372,14 @@ def run_point(request: pytest.FixtureRequest, entry: DumpEntry, point: tuple, la
     recs = sess.records(entry, layer)
     rec = recs.get(point)
     if rec is None:
+        from parity.points import Point
+
         phase, step, lay, site = point
-        rec = {"phase": phase, "step": step, "layer": lay, "site": site, "status": "missing",
-               "reason": "the replay produced no record for this point"}
+        p = Point(phase, step, lay, site)
+        why = ("the dump lacks it (its model has this point at a step the dump was made with; deleted or lost?)"
+               if not sess.reader(entry).has(p) else "the replay produced no record for this point")
+        rec = {"phase": phase, "step": step, "layer": lay, "site": site, "status": "missing", "reason": why,
+               "message": f"{entry.run}: {p.key()} missing: {why}"}
     rec = dict(rec, dump=entry.run)
     request.node.user_properties.append((RECORD_KEY, json.dumps(rec, default=_jsonable)))
     status = rec["status"]
@@ -317,31 +412,59 @@ def _is_worker(config) -> bool:
     return hasattr(config, "workerinput")
 
 
+COMPARED = ("pass", "fail", "benign", "semantic")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
     config = session.config
     if _is_worker(config) or not _RECORDS:
         return
+    from parity.replay.coverage import not_tested_records
     from parity.report import build_report, write_reports
 
     out_root = Path(config.getoption("--parity-report"))
     built, skipped = [], []
     entries = {e.run: e for e in selected_dumps(config)}
+    layers_opt = _parse_layers(config.getoption("--parity-layers"))
+    statuses: dict[str, int] = {}
+    compared = 0
     for label, recs in sorted(_RECORDS.items()):
         entry = entries.get(label)
+        fed = entry is None or entry.mode != "free"  # teacher forcing feeds a layer its dumped `input`
+        dump_compared = 0
+        for r in recs:
+            statuses[r.get("status")] = statuses.get(r.get("status"), 0) + 1
+            dump_compared += r.get("status") in COMPARED and not (fed and r.get("site") == "input"
+                                                                   and r.get("layer") is not None)
+        compared += dump_compared
         try:
-            cfg = _session(config).reader(entry).config  # the reader the replay used: no second validation pass
+            reader = _session(config).reader(entry)  # the reader the replay used: no second validation pass
+            cfg = reader.config
         except Exception as e:  # the tests already failed on an unreadable dump; say why it has no report
             skipped.append(f"{label}: no report written ({e})")
             continue
         for r in recs:
             r.pop("dump", None)
+        recs = recs + not_tested_records(reader, {(r["phase"], r["step"], r["layer"], r["site"]) for r in recs},
+                                         layers_opt)
         rep = build_report(cfg, recs, dump=str(entry.path), target=config.getoption("--parity-target"),
                            mode=entry.mode)
+        if not dump_compared:
+            rep["passed"] = False
+            rep["note"] = "no point of this dump was compared"
         sess = _session(config).sessions.get(label)  # this process's session (absent on an xdist controller)
         if sess is not None:  # protocol v2: what actually ran, in the report header
             rep["target_info"] = target_info(sess.target)
-        path = write_reports(rep, out_root / label)
+        path = write_reports(rep, out_root / label)  # labels are one safe path component (dump_labels)
         built.append((rep, path))
+    if not compared:
+        # a run that compared nothing is not a pass (a target that produces nothing, everything skipped; a layer's
+        # `input` fed from the dump is no comparison)
+        n = sum(statuses.values())
+        reasons = sorted({r.get("reason", "") for recs in _RECORDS.values() for r in recs if r.get("reason")})
+        skipped.insert(0, f"FAILED: no point was compared ({n} parity point(s) ran: {statuses}"
+                          + (f"; e.g. {reasons[0]}" if reasons else "") + ")")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     config._parity_built = built
     config._parity_report_skipped = skipped
 
@@ -358,4 +481,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(line)
     for rep, path in built or ():
         terminalreporter.write_line(summary_text(rep))
+        nt = [r for r in rep["points"] if r.get("status") == "not-tested"]
+        if nt:
+            why: dict[str, int] = {}
+            for r in nt:
+                why[r.get("reason", "")] = why.get(r.get("reason", ""), 0) + 1
+            terminalreporter.write_line(f"  NOT TESTED: {len(nt)} point(s) — " + "; ".join(
+                f"{n}: {w}" for w, n in sorted(why.items(), key=lambda kv: -kv[1])))
         terminalreporter.write_line(f"  reports: {path}/report.{{json,md,html}}")

@@ -11,9 +11,15 @@ if "xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED_CKPT = REPO / "dumps" / "ckpt"
+
+# Property tests must not fail because a shared machine is busy: no per-example deadline and no "data generation too
+# slow" health check (both measure wall time; the tests' own settings may still set them).
+settings.register_profile("loaded-machine", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("loaded-machine")
 
 
 @pytest.fixture(scope="session")

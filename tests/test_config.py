@@ -109,3 +109,31 @@ def test_from_json_errors(tmp_path):
         Ling3Config.from_json(tmp_path / "missing.json")
     p.write_text(json.dumps(LING3_FLASH_CONFIG))
     assert Ling3Config.from_pretrained_dir(tmp_path).num_hidden_layers == 42
+
+
+@pytest.mark.parametrize("layer_types, needle", [
+    (None, None),  # absent (official checkpoints): fine
+    (["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"], None),
+    (["linear_attention"] * 3 + ["mla"] + ["linear_attention"] * 3 + ["full_attention"],
+     "field 'layer_types'[3] = 'mla', expected 'linear_attention' (KDA) or 'full_attention' (MLA)"),
+    (["full_attention"] + ["linear_attention"] * 2 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+     "field 'layer_types'[0] = 'full_attention', but layer 0 is KDA by the Ling3 layout rule (layer_group_size 4"),
+    (["linear_attention"] * 4, "field 'layer_types' = ['linear_attention', 'linear_attention', 'linear_attention', "
+                               "'linear_attention'], expected a list of num_hidden_layers = 8 entries"),
+    ("linear_attention", "field 'layer_types' = linear_attention, expected a list"),
+])
+def test_layer_types_must_name_the_ling3_layout(layer_types, needle):
+    """`layer_types` (written by transformers' built-in) is not read by any Ling3 code; an unknown value or another
+    layout than the one every runtime builds is refused, in strict and lenient mode alike."""
+    d = copy.deepcopy(LING3_TINY_CONFIG)
+    d["num_hidden_layers"] = 8
+    d.pop("expert_swiglu_limit_list", None), d.pop("share_expert_swiglu_limit_list", None)
+    if layer_types is not None:
+        d["layer_types"] = layer_types
+    for strict in (True, False):
+        if needle is None:
+            assert Ling3Config.from_dict(d, strict=strict).layer_kinds[3] == "mla"
+        else:
+            with pytest.raises(ConfigError) as e:
+                Ling3Config.from_dict(d, source="c.json", strict=strict)
+            assert str(e.value).startswith("c.json: " + needle), str(e.value)

@@ -480,7 +480,7 @@ def test_several_processes_read_one_dump_at_once(good_dump):
             "with DumpReader(sys.argv[1]) as r: print(r.read(Point('prefill', 0, 3, 'attention.core')).sum())")
     with DumpReader(good_dump) as r:
         out = subprocess.run([sys.executable, "-c", code, str(good_dump)], capture_output=True, text=True,
-                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=900)
         assert out.returncode == 0, out.stderr
         assert float(out.stdout) == 15.0 == float(r.read(P_CORE).sum())
 

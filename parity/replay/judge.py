@@ -39,7 +39,9 @@ def _judge(session, obs: Observation) -> PointRecord:
         reason = unavailable_reason(dump, point)
         if reason:
             return skipped(point, reason)
-        return PointRecord(point, Status.MISSING, reason="the target produces this point but the dump lacks it")
+        why = "the target produces this point but the dump lacks it" if obs.test is not None else \
+            "the dump lacks this point"
+        return PointRecord(point, Status.MISSING, reason=why)
     if obs.test is None:
         why = f" ({obs.why_absent})" if obs.why_absent else ""
         return skipped(point, f"target {session.target.name} does not produce this point{why}")

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from parity.errors import DumpError, ParityError, TargetError
 from parity.points import Point
 
@@ -99,25 +101,24 @@ class Session:
         given. `mesh`: a jax Mesh or a `--parity-mesh` spec such as "4x2". The session owns a dump it opened.
         A target that loads from disk (`needs_checkpoint_dir`, protocol v2) is given the checkpoint directory and the
         `layers` the replay will visit (None: all)."""
-        from parity.dumpfile import DumpReader
-        from parity.jax_ling3.weights import CheckpointReader
         from parity.numerics.tolerances import default_rules
 
-        owned = not isinstance(dump, DumpReader)
-        reader = DumpReader(dump) if owned else dump
+        reader, owned, tgt, ckpt_path, ckpt = prepare(dump, ckpt_dir, target=target, mode=mode)
         try:
-            tgt = _target(target)
-            check_mode(mode, tgt)  # before building: a mode error costs nothing
-            ckpt_path = find_checkpoint(reader.fingerprint, ckpt_dir)
-            ckpt = CheckpointReader(ckpt_path)
             dtype = reader.meta.get("compute_dtype", "bfloat16")
             if isinstance(mesh, str):
                 from parity.jax_ling3.sharding import mesh_from_spec
 
                 mesh = mesh_from_spec(mesh)
-            tgt.build(reader.config, dtype, **({"mesh": mesh} if mesh is not None else {}))
-            if getattr(tgt, "needs_checkpoint_dir", False):
-                tgt.use_checkpoint_dir(ckpt_path, layers)
+            try:
+                tgt.build(reader.config, dtype, **({"mesh": mesh} if mesh is not None else {}))
+                if getattr(tgt, "needs_checkpoint_dir", False):
+                    tgt.use_checkpoint_dir(ckpt_path, layers)
+            except ParityError:
+                raise
+            except Exception as e:  # an adapter's own failure: one line naming the target and the call
+                raise TargetError(f"target {getattr(tgt, 'name', type(tgt).__name__)!r}: build({reader.path.name} "
+                                  f"config, {dtype}) raised {type(e).__name__}: {_first_line(e)}") from None
             s = cls(dump=reader, ckpt=ckpt, target=tgt, rules=rules or default_rules(), mode=mode, dtype=dtype)
         except BaseException:
             if owned:
@@ -148,18 +149,77 @@ class Session:
         self.close()
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
 def _target(target):
     from parity.targets import resolve
 
     if target is None:
         target = "reference"
+    name = target if isinstance(target, str) else getattr(target, "__name__", type(target).__name__)
     if isinstance(target, str):
         target = resolve(target)
     if isinstance(target, type):
-        target = target()
+        try:
+            target = target()
+        except ParityError:
+            raise
+        except Exception as e:  # an adapter's constructor: one line, not a traceback per test
+            raise TargetError(f"target {name!r}: constructing {target.__name__}() raised {type(e).__name__}: "
+                              f"{_first_line(e)}") from None
     if not hasattr(target, "layer_forward"):
         raise TargetError(f"target {target!r} is not a parity.targets.base.Target")
     return target
+
+
+def check_tokens(reader) -> None:
+    """The dump's token ids must lie in its model's vocabulary (else every replay blames the target's embedding)."""
+    ids = np.asarray(reader.input_ids)
+    V = reader.config.vocab_size
+    bad = ids[(ids < 0) | (ids >= V)]
+    if bad.size:
+        raise DumpError(f"{reader.path}: /tokens/input_ids holds {bad.size} id(s) outside the vocabulary 0..{V - 1} of "
+                        f"its config, e.g. {sorted(set(bad.tolist()))[:5]}")
+
+
+def check_checkpoint(reader, ckpt_path: Path, explicit: bool):
+    """Open the checkpoint (config.json, shard index) and, for one named by the user, check that it is the one the
+    dump was made from (fingerprint: config.json + every safetensors header, DESIGN §4)."""
+    from parity.dumpfile import fingerprint_checkpoint
+    from parity.jax_ling3.weights import CheckpointReader
+
+    ckpt = CheckpointReader(ckpt_path)
+    if explicit:
+        fp = fingerprint_checkpoint(ckpt_path)
+        if fp != reader.fingerprint:
+            raise DumpError(f"{ckpt_path}: not the checkpoint {reader.path.name} was made from (fingerprint "
+                            f"{fp[:12]}…, the dump records {reader.fingerprint[:12]}…: config.json or a safetensors "
+                            "header differs); pass the dump's checkpoint")
+    return ckpt
+
+
+def prepare(dump, ckpt_dir=None, *, target=None, mode: str = "layer"):
+    """Everything `Session.open` checks before building the target: the dump (path or DumpReader), its token ids,
+    the target resolved and constructed, the mode, the checkpoint opened and matched. Returns
+    (reader, owned, target, ckpt_path, ckpt); closes a reader it opened when a check fails."""
+    from parity.dumpfile import DumpReader
+
+    owned = not isinstance(dump, DumpReader)
+    reader = DumpReader(dump) if owned else dump
+    try:
+        tgt = _target(target)
+        check_mode(mode, tgt)  # before building: a mode error costs nothing
+        ckpt_path = find_checkpoint(reader.fingerprint, ckpt_dir)
+        ckpt = check_checkpoint(reader, ckpt_path, explicit=bool(ckpt_dir))
+        check_tokens(reader)
+    except BaseException:
+        if owned:
+            reader.close()
+        raise
+    return reader, owned, tgt, ckpt_path, ckpt
 
 
 def target_info(target) -> dict:
