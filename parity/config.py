@@ -252,6 +252,7 @@ class Ling3Config:
             raise bad(f"field 'num_shared_experts' = {self.num_shared_experts}, expected >= 0 or null")
         if self.num_nextn_predict_layers < 0:
             raise bad(f"field 'num_nextn_predict_layers' = {self.num_nextn_predict_layers}, expected >= 0")
+        self._validate_layer_types(bad)
         for lst in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
             v = getattr(self, lst)
             if v is not None:
@@ -259,6 +260,26 @@ class Ling3Config:
                     raise bad(f"field '{lst}' has {len(v)} entries, expected num_hidden_layers = {self.num_hidden_layers}")
                 if any(x < 0 or not math.isfinite(x) for x in v):
                     raise bad(f"field '{lst}' holds a negative or non-finite limit: {list(v)}")
+
+    def _validate_layer_types(self, bad) -> None:
+        """`layer_types` is read by no Ling3 code (the layout comes from layer_group_size, facts §2; transformers'
+        built-in writes it): where present it must name that same layout, in the built-in's words."""
+        lt = self.raw.get("layer_types")
+        if lt is None:
+            return
+        names = {"kda": "linear_attention", "mla": "full_attention"}
+        if not isinstance(lt, list) or len(lt) != self.num_hidden_layers:
+            raise bad(f"field 'layer_types' = {str(lt)[:80]}, expected a list of num_hidden_layers = "
+                      f"{self.num_hidden_layers} entries 'linear_attention' | 'full_attention' (or no such field)")
+        for i, v in enumerate(lt):
+            if v not in names.values():
+                raise bad(f"field 'layer_types'[{i}] = {v!r}, expected 'linear_attention' (KDA) or "
+                          "'full_attention' (MLA)")
+        for i, v in enumerate(lt):
+            want = names[self.layer_kind(i)]
+            if v != want:
+                raise bad(f"field 'layer_types'[{i}] = {v!r}, but layer {i} is {self.layer_kind(i).upper()} by the "
+                          f"Ling3 layout rule (layer_group_size {self.layer_group_size}, facts §2): expected {want!r}")
 
     # ------------------------------------------------------------------ derived structure
     @property

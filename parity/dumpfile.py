@@ -29,11 +29,18 @@ at random to check it).
 from __future__ import annotations
 
 import datetime as _dt
+import errno
+import glob
 import hashlib
+import io
 import json
+import logging
 import os
 import re
+import resource
+import signal
 import struct
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -342,11 +349,159 @@ def _check_seal(path: Path, verify: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- writer
+_log = logging.getLogger(__name__)
+
+
+def check_output_path(path: str | os.PathLike, *, force: bool = False) -> Path:
+    """Refuse an output path a dump cannot be written to, before any work is done (one line naming the path)."""
+    p = Path(path)
+    if p.is_dir():
+        raise DumpError(f"{p}: is a directory; expected the path of the dump file to write, e.g. {p / 'dump.h5'}")
+    if p.exists() and not force:
+        raise DumpError(f"{p}: a dump already exists; pass --force (force=True) to replace it "
+                        "(it is never overwritten silently)")
+    if p.exists() and not p.is_file():
+        raise DumpError(f"{p}: exists and is not a regular file; expected the path of a dump file")
+    if not p.parent.is_dir():
+        raise DumpError(f"{p}: parent directory {p.parent} does not exist")
+    if not os.access(p.parent, os.W_OK | os.X_OK):
+        raise DumpError(f"{p}: directory {p.parent} is not writable")
+    return p
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def clean_stale_temp_files(path: str | os.PathLike) -> list[str]:
+    """Remove `<path>.tmp-<pid>` files left by dump writers that died without cleaning up (SIGKILL, power loss): the
+    PID is gone and the file is one of ours (an unsealed or sealed dump layout). Returns one line per file found,
+    including those left alone (a running writer's, or not a dump's)."""
+    p = Path(path)
+    notes: list[str] = []
+    if not p.parent.is_dir():
+        return notes
+    pattern = re.compile(re.escape(p.name) + r"\.tmp-(\d+)")
+    for f in sorted(p.parent.glob(glob.escape(p.name) + ".tmp-*")):
+        m = pattern.fullmatch(f.name)
+        if not m or not f.is_file() or f in _ACTIVE_TMP:
+            continue
+        pid = int(m[1])
+        if pid != os.getpid() and _pid_alive(pid):
+            notes.append(f"{f}: temporary file of a running process (PID {pid}), left alone")
+            continue
+        try:
+            with open(f, "rb") as fh:
+                head = fh.read(USERBLOCK + len(_HDF5_SIGNATURE))
+            if len(head) == len(_HDF5_SIGNATURE) + USERBLOCK and head[USERBLOCK:] != _HDF5_SIGNATURE:
+                notes.append(f"{f}: not a dump's temporary file (no HDF5 signature after the userblock), left alone")
+                continue
+            f.unlink()
+        except OSError as e:
+            notes.append(f"{f}: stale temporary file of PID {pid} could not be removed ({e.strerror or e})")
+            continue
+        notes.append(f"removed {f}: temporary file of a dump that did not finish (PID {pid} is gone)")
+    return notes
+
+
+class _SafeFile(io.FileIO):
+    """The temporary dump file as HDF5 sees it (h5py's file-object driver). The first OSError of a write or truncate
+    (EFBIG from a file-size limit, ENOSPC, EDQUOT, EIO, ...) is kept in `error`, and from then on writes are accepted
+    and dropped: HDF5 never sees a failed write. (With HDF5's own sec2 driver, a failed write leaves HDF5 unable to
+    close the file: `ulimit -f 2000` printed ~1,900 lines of h5py errors and then segfaulted, h5py 3.16 / HDF5 2.0;
+    putting /dev/null under its descriptor does not help, its close then fails on ftruncate.) The writer checks
+    `error` after each HDF5 call and abandons the file. `discard` drops every later write (abort)."""
+
+    error: OSError | None = None
+    discard: bool = False
+
+    def write(self, b) -> int:  # type: ignore[override]
+        view = memoryview(b).cast("B")
+        if self.error is None and not self.discard:
+            done = 0
+            try:
+                while done < len(view):  # FileIO.write is one write(2): it may write part (up to a size limit)
+                    n = self._write_some(view[done:])
+                    if not n:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    done += n
+            except OSError as e:
+                self.error = e
+        return len(view)
+
+    def _write_some(self, view: memoryview) -> int:
+        return super().write(view)
+
+    def truncate(self, size=None) -> int:  # type: ignore[override]
+        if self.error is None and not self.discard:
+            try:
+                return super().truncate(size)
+            except OSError as e:
+                self.error = e
+        return self.tell() if size is None else size
+
+
+def _describe_io_error(e: OSError, path: Path) -> str:
+    what = e.strerror or str(e)
+    if e.errno == errno.EFBIG:
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+        return f"{what} (the process's file-size limit, `ulimit -f`, is {limit})"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            st = os.statvfs(path.parent)
+            return f"{what} ({st.f_bavail * st.f_frsize / 1e6:.1f} MB free in {path.parent})"
+        except OSError:
+            return what
+    return what
+
+
+# Temporary files of the writers of this process, removed on SIGTERM (the handler is installed while there are any).
+_ACTIVE_TMP: set[Path] = set()
+
+
+def _on_sigterm(signum, frame) -> None:
+    """Remove the temporary dump files, then die of SIGTERM as if there were no handler (exit status 143)."""
+    for p in list(_ACTIVE_TMP):
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _track_tmp(path: Path) -> None:
+    if threading.current_thread() is threading.main_thread():  # signal dispositions: main thread only
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # a handler of the caller's own is left alone
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        # A file-size limit raises SIGXFSZ, whose default kills the process; ignored, the write fails with EFBIG and
+        # is reported (Python ignores it at start-up already; an embedding program may not).
+        if signal.getsignal(signal.SIGXFSZ) == signal.SIG_DFL:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    _ACTIVE_TMP.add(path)
+
+
+def _untrack_tmp(path: Path) -> None:
+    _ACTIVE_TMP.discard(path)
+    if (not _ACTIVE_TMP and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is _on_sigterm):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 class DumpWriter:
     """Streams one dump to `path + ".tmp-<pid>"` and renames it onto `path` only when complete.
 
     Use as a context manager; a clean exit calls `finish()`, an exception deletes the temporary file. An existing
-    `path` is refused unless `force`, and even then replaced only at the final `os.replace`.
+    `path` is refused unless `force`, and even then replaced only at the final `os.replace`. An I/O failure (disk
+    full, file-size limit, ...) is one `DumpError` and leaves neither `path` nor the temporary file; SIGTERM removes the
+    temporary file; stale temporary files of dead writers of the same `path` are removed when the next one starts.
     """
 
     def __init__(self, path: str | os.PathLike, meta: dict, *, force: bool = False, compression: str = "lzf") -> None:
@@ -356,10 +511,7 @@ class DumpWriter:
             raise DumpError(f"{self.path}: compression {compression!r}, expected one of {sorted(COMPRESSIONS)}")
         self._filters = COMPRESSIONS[compression]
         self.tmp_path = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
-        if self.path.exists() and not force:
-            raise DumpError(f"{self.path}: a dump already exists; pass --force (force=True) to replace it")
-        if not self.path.parent.is_dir():
-            raise DumpError(f"{self.path}: parent directory {self.path.parent} does not exist")
+        check_output_path(self.path, force=force)
         if not isinstance(meta, dict):
             raise DumpError(f"{self.path}: meta is a {type(meta).__name__}, expected a dict of root attributes")
         missing = [k for k in REQUIRED_META if k not in meta]
@@ -395,19 +547,33 @@ class DumpWriter:
         # Time spent inside write()/finish() and the array bytes handed to write(): the HDF5 write rate (bench, §9).
         self.seconds_writing = 0.0
         self.array_bytes = 0
-        # libver v110: checksummed metadata (readable by HDF5 >= 1.10); the userblock holds the seal (see _seal).
-        with _h5_errors(self.tmp_path, "cannot create the temporary dump file"):
-            self._f = h5py.File(self.tmp_path, "w", userblock_size=USERBLOCK, libver=("v110", "v110"))
+        self.stale_notes = clean_stale_temp_files(self.path)
+        for note in self.stale_notes:
+            _log.info("%s", note)
         try:
-            root = self._f.attrs
-            root["schema"] = SCHEMA
-            root["version"] = VERSION
-            root["created_utc"] = _created_utc(self.path)
-            for k, v in attrs.items():
-                root[k] = v
-            root["json_keys"] = json.dumps(sorted(json_keys))
-            root["complete"] = False
-            self._f.flush()
+            self._file = _SafeFile(self.tmp_path, "w+")
+        except OSError as e:
+            raise DumpError(f"{self.tmp_path}: cannot create the temporary dump file "
+                            f"({_describe_io_error(e, self.tmp_path)})") from None
+        _track_tmp(self.tmp_path)
+        # libver v110: checksummed metadata (readable by HDF5 >= 1.10); the userblock holds the seal (see _seal).
+        try:
+            with self._io("creating the file"):
+                self._f = h5py.File(self._file, "w", userblock_size=USERBLOCK, libver=("v110", "v110"))
+        except BaseException:
+            self._abort()
+            raise
+        try:
+            with self._io("writing the root attributes"):
+                root = self._f.attrs
+                root["schema"] = SCHEMA
+                root["version"] = VERSION
+                root["created_utc"] = _created_utc(self.path)
+                for k, v in attrs.items():
+                    root[k] = v
+                root["json_keys"] = json.dumps(sorted(json_keys))
+                root["complete"] = False
+                self._f.flush()
         except BaseException:
             self._abort()
             raise
@@ -436,9 +602,11 @@ class DumpWriter:
         if isinstance(prompt_len, (bool, np.bool_)) or not isinstance(prompt_len, (int, np.integer)) \
                 or not 0 < int(prompt_len) <= ids.shape[1]:
             raise DumpError(f"{self.path}: prompt_len {prompt_len!r}, expected an int in 1..{ids.shape[1]} (T_total)")
-        g = self._f.require_group("tokens")
-        g.create_dataset("input_ids", data=ids.astype(np.int32))
-        g.create_dataset("prompt_len", data=np.int64(prompt_len))
+        with self._io("writing /tokens"):
+            g = self._f.require_group("tokens")
+            g.create_dataset("input_ids", data=ids.astype(np.int32))
+            g.create_dataset("prompt_len", data=np.int64(prompt_len))
+            del g
         self._tokens = True
 
     def write(self, point: Point | MtpPoint, array: np.ndarray, *, module: str = "", io: str = "output",
@@ -464,11 +632,13 @@ class DumpWriter:
         kw: dict = {}
         if data.ndim > 0 and data.size > 0:
             kw = dict(chunks=_chunks(data.shape, data.itemsize), **self._filters)
-        ds = self._f.create_dataset(point.h5_path(), data=data, **kw)
-        ds.attrs["dtype"] = name
-        ds.attrs["module"] = str(module)
-        ds.attrs["io"] = io
-        ds.attrs["shape_names"] = str(shape_names)
+        with self._io(f"writing {point.key()}"):
+            ds = self._f.create_dataset(point.h5_path(), data=data, **kw)
+            ds.attrs["dtype"] = name
+            ds.attrs["module"] = str(module)
+            ds.attrs["io"] = io
+            ds.attrs["shape_names"] = str(shape_names)
+            del ds  # closes the dataset: its chunks are written now, and a failure is seen here
         self._written.add(point)
         self.seconds_writing += time.perf_counter() - t0
         self.array_bytes += data.nbytes
@@ -484,10 +654,12 @@ class DumpWriter:
         attrs, json_keys = _encode_attrs(stats, where=f"{self.path} stats of {point.key()}")
         if "json_keys" in attrs:
             raise DumpError(f"{self.path}: stats of {point.key()}: key 'json_keys' is reserved")
-        ds = self._f.create_dataset("/stats" + point.h5_path(), data=h5py.Empty("f4"))
-        for k, v in attrs.items():
-            ds.attrs[k] = v
-        ds.attrs["json_keys"] = json.dumps(sorted(json_keys))
+        with self._io(f"writing the statistics of {point.key()}"):
+            ds = self._f.create_dataset("/stats" + point.h5_path(), data=h5py.Empty("f4"))
+            for k, v in attrs.items():
+                ds.attrs[k] = v
+            ds.attrs["json_keys"] = json.dumps(sorted(json_keys))
+            del ds
         self._stats.add(point)
 
     def set_meta(self, key: str, value: Any) -> None:
@@ -529,17 +701,30 @@ class DumpWriter:
             if not self._tokens:
                 raise DumpError(f"{self.path}: write_tokens() was never called; a dump without tokens is incomplete")
             rows = sorted(self._unavailable.items())
-            self._f.create_dataset("unavailable", data=np.array(rows, dtype=object).reshape(len(rows), 2),
-                                   dtype=h5py.string_dtype())
-            self._f.attrs["complete"] = True
-            self._f.flush()
-            self._f.close()
-            _seal(self.tmp_path)
+            with self._io("closing the file"):
+                self._f.create_dataset("unavailable", data=np.array(rows, dtype=object).reshape(len(rows), 2),
+                                       dtype=h5py.string_dtype())
+                self._f.attrs["complete"] = True
+                self._f.flush()
+                self._f.close()
+                self._file.close()
+            try:
+                _seal(self.tmp_path)
+            except OSError as e:
+                self._file.error = e
+                self._fail("sealing the file")
             self._closed = True
             if self.path.exists() and not self.force:
+                self._forget_tmp()  # kept on purpose: a finished dump
                 raise DumpError(f"{self.path}: appeared while writing; the finished dump is left at {self.tmp_path} "
                                 "(pass --force to replace)")
-            os.replace(self.tmp_path, self.path)
+            try:
+                os.replace(self.tmp_path, self.path)
+            except OSError as e:
+                self._abort()
+                raise DumpError(f"{self.path}: cannot rename the finished dump onto it ({e.strerror or e}); "
+                                "nothing was left") from None
+            self._forget_tmp()
             self.seconds_writing += time.perf_counter() - t0  # incl. the final flush and the seal
         except BaseException as e:
             if not (isinstance(e, DumpError) and self._closed):
@@ -547,18 +732,45 @@ class DumpWriter:
             raise
         return self.path
 
+    @contextmanager
+    def _io(self, what: str) -> Iterator[None]:
+        """Around every HDF5 call: an I/O failure of the file (kept by _SafeFile, HDF5 never saw it) becomes one
+        DumpError naming the file, the operation and the cause, with the temporary file removed."""
+        try:
+            yield
+        except Exception:
+            if self._file.error is None:
+                raise  # not an I/O failure
+        if self._file.error is not None:
+            self._fail(what)
+
+    def _fail(self, what: str) -> None:
+        err = self._file.error
+        self._abort()
+        raise DumpError(f"{self.path}: cannot write the dump ({what}): {_describe_io_error(err, self.path)}; "
+                        f"nothing was left under {self.path.name}, the temporary file was removed")
+
     def _abort(self) -> None:
         """Close and delete the temporary file; the final path is left as it was."""
         if not self._closed:
+            self._closed = True
+            self._file.discard = True  # a doomed file: HDF5's closing writes go nowhere (and cannot fail)
             try:
                 self._f.close()
             except Exception:
                 pass
-            self._closed = True
+        try:
+            self._file.close()
+        except OSError:
+            pass
         try:
             os.unlink(self.tmp_path)
         except FileNotFoundError:
             pass
+        self._forget_tmp()
+
+    def _forget_tmp(self) -> None:
+        _untrack_tmp(self.tmp_path)
 
     def _check_open(self) -> None:
         if self._closed:

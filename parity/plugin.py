@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BUNDLED_DUMPS = ROOT / "dumps"
-BUNDLED_CKPTS = ROOT / "dumps" / "ckpt"
+from parity.replay.session import BUNDLED_DUMPS, target_info  # noqa: E402  (checkout or installed data files)
 RECORD_KEY = "parity_record"
+# `layer` works for every target; `isolated` needs the target's `isolated` capability (external ports often lack it),
+# so a run of both is asked for: `--parity-mode layer,isolated` (CI: tests/test_parity_modes.py)
+DEFAULT_MODES = "layer"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -30,13 +32,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="checkpoint directory (default: found by the dump's fingerprint among dumps/ckpt/*)")
     g.addoption("--parity-target", default="reference",
                 help="target: 'reference' (pure-JAX Ling3) or 'package.module:Class' (external adapter)")
-    g.addoption("--parity-mode", default="layer", choices=["layer", "free", "forced", "isolated"],
-                help="layer = teacher forcing per layer; free = run from token ids; forced = layer + forced routing; "
-                     "isolated = each sub-module fed its own dumped inputs")
+    g.addoption("--parity-mode", default=DEFAULT_MODES,
+                help="replay mode(s), comma-separated (default: %(default)s; `layer,isolated` = the layer check and the "
+                     "fine instrument in one run): layer = teacher forcing per layer; free = run from token ids; forced = layer + "
+                     "forced routing; isolated = each sub-module fed its own dumped inputs")
     g.addoption("--parity-tolerances", default=None, help="TOML tolerance rules merged over the defaults")
     g.addoption("--parity-tol", action="append", default=[],
                 help="one rule override, e.g. 'mlp.*:layer:bfloat16:max_ulps=8,hard_ulps=64' (repeatable)")
-    g.addoption("--parity-report", default=str(ROOT / "reports"), help="report directory (one subdirectory per dump)")
+    g.addoption("--parity-report", default="reports",
+                help="report directory (one subdirectory per dump); default ./reports of the current directory")
     g.addoption("--parity-mesh", default=None,
                 help="shard the target's layer params over a device mesh: auto | N | EXPERTSxHEADS (e.g. 4x2)")
     g.addoption("--parity-layers", default=None, help="layers to replay, e.g. 0-3,7 (default all)")
@@ -45,12 +49,33 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # ------------------------------------------------------------------------------------------ session state
 @dataclass
 class DumpEntry:
+    """One replay of the run: a dump in one mode. `run` names it in test ids, records and the report directory: the
+    dump's label alone when the run has one mode, `label/mode` when it has several."""
+
     path: Path
     label: str
+    mode: str = "layer"
+    run: str = ""
+
+    def __post_init__(self) -> None:
+        self.run = self.run or self.label
 
 
 def _dump_label(path: Path) -> str:
     return path.name.removesuffix(".h5")
+
+
+def parity_modes(config: pytest.Config) -> list[str]:
+    """The `--parity-mode` list, validated (a usage error names the bad mode and the valid ones)."""
+    from parity.replay import MODES
+
+    text = config.getoption("--parity-mode", default=DEFAULT_MODES) or DEFAULT_MODES
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes or len(set(modes)) != len(modes):
+        raise pytest.UsageError(f"--parity-mode {text!r}: expected one or more of {', '.join(MODES)}, comma-separated, "
+                                f"each once")
+    return modes
 
 
 def selected_dumps(config: pytest.Config) -> list[DumpEntry]:
@@ -59,36 +84,20 @@ def selected_dumps(config: pytest.Config) -> list[DumpEntry]:
         paths = [Path(p) for p in given]
     else:
         paths = sorted(BUNDLED_DUMPS.glob("*.h5"))
-    return [DumpEntry(p, _dump_label(p)) for p in paths]
-
-
-def find_checkpoint(fingerprint: str, explicit: str | None) -> Path:
-    """The checkpoint a dump was made from: --parity-ckpt, else the bundled one with the same fingerprint."""
-    from parity.dumpfile import fingerprint_checkpoint
-    from parity.errors import DumpError
-
-    if explicit:
-        return Path(explicit)
-    seen = []
-    for d in sorted(BUNDLED_CKPTS.iterdir()) if BUNDLED_CKPTS.is_dir() else []:
-        if (d / "config.json").is_file():
-            fp = fingerprint_checkpoint(d)
-            seen.append(f"{d.name}={fp[:12]}")
-            if fp == fingerprint:
-                return d
-    raise DumpError(f"no checkpoint with fingerprint {fingerprint[:12]}… among {BUNDLED_CKPTS} ({', '.join(seen)}); "
-                    "pass --parity-ckpt DIR")
+    modes = parity_modes(config)
+    return [DumpEntry(p, _dump_label(p), m, _dump_label(p) if len(modes) == 1 else f"{_dump_label(p)}/{m}")
+            for p in paths for m in modes]
 
 
 class ParitySession:
-    """Per-process cache: opened dumps, checkpoint readers, built targets, and replayed layers."""
+    """Per-process cache: opened dumps, one replay `Session` per dump, and the replayed layers' records."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.readers: dict[str, object] = {}
         self.replays: dict[tuple[str, object], dict] = {}
-        self.contexts: dict[str, object] = {}
-        self.errors: dict[str, str] = {}
+        self.sessions: dict[str, object] = {}
+        self.errors: dict[str, tuple[str, bool]] = {}  # label -> (message, is a usage error)
 
     def reader(self, entry: DumpEntry):
         from parity.dumpfile import DumpReader
@@ -97,62 +106,47 @@ class ParitySession:
             self.readers[entry.label] = DumpReader(entry.path)
         return self.readers[entry.label]
 
-    def context(self, entry: DumpEntry):
-        if entry.label in self.errors:
-            pytest.skip(self.errors[entry.label])
-        if entry.label in self.contexts:
-            return self.contexts[entry.label]
+    def session(self, entry: DumpEntry):
+        if entry.run in self.errors:
+            msg, fail = self.errors[entry.run]
+            pytest.fail(msg, pytrace=False) if fail else pytest.skip(msg)
+        if entry.run in self.sessions:
+            return self.sessions[entry.run]
         from parity.errors import TargetError
-        from parity.jax_ling3.weights import CheckpointReader
-        from parity.numerics.tolerances import default_rules, load_rules
-        from parity.replay import ReplayContext
-        from parity.targets import resolve
+        from parity.numerics.tolerances import default_rules, load_rules, parse_overrides
+        from parity.replay import ModeError, Session
 
-        dump = self.reader(entry)
-        ckpt_dir = find_checkpoint(dump.fingerprint, self.config.getoption("--parity-ckpt"))
-        try:
-            target_cls = resolve(self.config.getoption("--parity-target"))
-        except TargetError as e:
-            self.errors[entry.label] = str(e)
-            pytest.skip(str(e))
+        opt = self.config.getoption
         rules = default_rules()
-        tol = self.config.getoption("--parity-tolerances")
-        if tol:
-            rules = rules.merged(load_rules(tol))
-        overrides = self.config.getoption("--parity-tol")
-        if overrides:
-            from parity.numerics.tolerances import parse_overrides
-
-            rules = rules.merged(parse_overrides(overrides))
-        dtype = dump.meta.get("compute_dtype", "bfloat16")
-        target = target_cls()
-        mesh = getattr(self.config, "_parity_mesh", None)  # built and checked in pytest_configure
-        if mesh is not None:
-            target.build(dump.config, dtype, mesh=mesh)
-        else:
-            target.build(dump.config, dtype)
-        ctx = ReplayContext(dump=dump, ckpt=CheckpointReader(ckpt_dir), target=target, rules=rules,
-                            mode=self.config.getoption("--parity-mode"), dtype=dtype)
-        self.contexts[entry.label] = ctx
-        return ctx
+        if opt("--parity-tolerances"):
+            rules = rules.merged(load_rules(opt("--parity-tolerances")))
+        if opt("--parity-tol"):
+            rules = rules.merged(parse_overrides(opt("--parity-tol")))
+        try:
+            layers = _parse_layers(opt("--parity-layers"))
+            s = Session.open(self.reader(entry), opt("--parity-ckpt"), target=opt("--parity-target"),
+                             mode=entry.mode, rules=rules,
+                             mesh=getattr(self.config, "_parity_mesh", None),  # mesh built in pytest_configure
+                             layers=None if layers is None else sorted(layers))
+        except TargetError as e:
+            self.errors[entry.run] = (str(e), False)
+            pytest.skip(str(e))
+        except ModeError as e:
+            self.errors[entry.run] = (str(e), True)
+            pytest.fail(str(e), pytrace=False)
+        self.sessions[entry.run] = s
+        return s
 
     def records(self, entry: DumpEntry, layer) -> dict:
-        """{(phase, step, layer, site): record} for one layer (or the model-level points when layer is None)."""
-        from parity import replay
+        """{(phase, step, layer, site): report.json record} for one layer (or the model-level points when layer is
+        None); free mode replays the whole model once."""
+        from parity.replay import judge, observe, observe_free
 
-        key = (entry.label, layer if self.config.getoption("--parity-mode") != "free" else "free")
+        key = (entry.run, layer if entry.mode != "free" else "free")
         if key not in self.replays:
-            ctx = self.context(entry)
-            if ctx.mode == "free":
-                recs = replay.replay_free(ctx)
-            elif layer is None:
-                recs = replay.replay_model_points(ctx)
-            elif ctx.mode == "isolated":
-                from parity.isolated import replay_isolated
-
-                recs = replay_isolated(ctx, layer)
-            else:
-                recs = replay.replay_layer(ctx, layer)
+            s = self.session(entry)
+            obs = observe_free(s) if s.mode == "free" else observe(s, layer)
+            recs = [r.to_json() for r in judge(s, obs)]
             self.replays[key] = {(r["phase"], r["step"], r["layer"], r["site"]): r for r in recs}
         return self.replays[key]
 
@@ -168,15 +162,16 @@ def _session(config) -> ParitySession:
 def _parse_layers(text: str | None):
     if not text:
         return None
-    from parity.cli.dump_hf import parse_layers
+    from parity.points import parse_layers
 
-    return set(parse_layers(text))
+    return set(parse_layers(text, option="--parity-layers"))
 
 
 def parity_params(config: pytest.Config) -> list:
     """One param per (dump, phase, step, layer, site) the dump holds or declares unavailable."""
     from parity.errors import ParityError
     from parity.points import sites_for_config
+    from parity.replay import dump_steps
 
     sess = _session(config)
     layers_opt = _parse_layers(config.getoption("--parity-layers"))
@@ -185,12 +180,11 @@ def parity_params(config: pytest.Config) -> list:
         try:
             dump = sess.reader(entry)
         except ParityError as e:
-            params.append(pytest.param(entry, None, None, id=f"{entry.label}/unreadable",
+            params.append(pytest.param(entry, None, None, id=f"{entry.run}/unreadable",
                                        marks=pytest.mark.parity_error(str(e))))
             continue
         cfg = dump.config
-        steps = [("prefill", 0)] + [("decode", k) for k in sorted(dump.steps("decode"))] \
-            if "decode" in dump.phases() else [("prefill", 0)]
+        steps = dump_steps(dump) or [("prefill", 0)]
         layers = sorted(set(dump.layers("prefill", 0)) - {None})
         if layers_opt is not None:
             layers = [i for i in layers if i in layers_opt]
@@ -198,22 +192,22 @@ def parity_params(config: pytest.Config) -> list:
             ph = "prefill" if phase == "prefill" else f"decode_{step}"
             for site in ("embed", "final_norm", "logits"):
                 params.append(pytest.param(entry, (phase, step, None, site), None,
-                                           id=f"{entry.label}/{ph}/model/{site}",
+                                           id=f"{entry.run}/{ph}/model/{site}",
                                            marks=_xdist_group(entry, None)))
             for i in layers:
-                extra = ("attention.dense:in",) if cfg.layer_kind(i) == "mla" else ()
-                for site in sites_for_config(cfg, i) + extra:
+                for site in sites_for_config(cfg, i, recorded_inputs=True):
                     params.append(pytest.param(entry, (phase, step, i, site), i,
-                                               id=f"{entry.label}/{ph}/layer_{i}/{site}",
+                                               id=f"{entry.run}/{ph}/layer_{i}/{site}",
                                                marks=_xdist_group(entry, i)))
     return params
 
 
 def _xdist_group(entry: DumpEntry, layer: int | None):
     """One replay serves every point of a (dump, layer): with -n, its tests run on one worker (under xdist's default
-    `load` each worker would replay every layer again). Honoured under `--dist loadgroup`, which `pytest_configure`
-    selects. Per layer, not per dump, so a big dump's layers still spread over the workers."""
-    return pytest.mark.xdist_group(f"parity:{entry.label}:{'model' if layer is None else f'L{layer:02d}'}")
+    `load` each worker would replay every layer again). The mark serves an explicit `--dist loadgroup` where pytest
+    keeps xdist's id suffix (< 9.2); by default the scheduler reads the same group from the test id
+    (parity/xdist_groups.py). Per layer, not per dump, so a big dump's layers still spread over the workers."""
+    return pytest.mark.xdist_group(f"parity:{entry.run}:{'model' if layer is None else f'L{layer:02d}'}")
 
 
 def _dist_given(config: pytest.Config) -> bool:
@@ -228,12 +222,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "parity_layer(i): a parity test of layer i")
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one xdist worker (pytest-xdist)")
     config._parity_records = {}
-    if getattr(config.option, "dist", "no") == "load" and not _dist_given(config):
-        # xdist's default for -n spreads a layer's points over all workers, and each worker then replays that layer;
-        # loadgroup keeps a (dump, layer) on one worker and schedules ungrouped tests exactly like load.
-        config.option.dist = "loadgroup"
-    if getattr(config, "workerinput", {}).get("parity_loadgroup"):
-        config.option.loadgroup = True  # a worker parses the original args (no --dist): tell it, as xdist would
+    # xdist's default for -n (`load`) spreads a layer's points over all workers, and each worker then replays that
+    # layer: group them per (dump, layer) instead (parity/xdist_groups.py); another explicit --dist is the user's.
+    dist = getattr(config.option, "dist", "no")
+    config._parity_group_layers = (dist == "load" and not _dist_given(config)) or dist == "loadgroup"
+    if config.getoption("--parity-mode", default=None) is not None:
+        parity_modes(config)  # a bad mode is one usage error up front
     spec = config.getoption("--parity-mesh", default=None)
     if spec:  # a bad mesh is one usage error up front, not a failure in every test
         from parity.jax_ling3.sharding import mesh_from_spec
@@ -245,10 +239,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node) -> None:
-    """xdist controller: a worker tags each test id with its group only under loadgroup (see pytest_configure)."""
-    if node.config.getvalue("dist") == "loadgroup":
-        node.workerinput["parity_loadgroup"] = True
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """xdist controller: the scheduler that keeps a (dump, layer) on one worker (xdist's loadgroup alone no longer
+    does on pytest >= 9.2, see parity/xdist_groups.py)."""
+    if getattr(config, "_parity_group_layers", False):
+        from parity.xdist_groups import ParityGroupScheduling
+
+        return ParityGroupScheduling(config, log)
+    return None
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -287,7 +285,7 @@ def run_point(request: pytest.FixtureRequest, entry: DumpEntry, point: tuple, la
         phase, step, lay, site = point
         rec = {"phase": phase, "step": step, "layer": lay, "site": site, "status": "missing",
                "reason": "the replay produced no record for this point"}
-    rec = dict(rec, dump=entry.label)
+    rec = dict(rec, dump=entry.run)
     request.node.user_properties.append((RECORD_KEY, json.dumps(rec, default=_jsonable)))
     status = rec["status"]
     if status == "skipped":
@@ -327,7 +325,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
 
     out_root = Path(config.getoption("--parity-report"))
     built, skipped = [], []
-    entries = {e.label: e for e in selected_dumps(config)}
+    entries = {e.run: e for e in selected_dumps(config)}
     for label, recs in sorted(_RECORDS.items()):
         entry = entries.get(label)
         try:
@@ -338,7 +336,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
         for r in recs:
             r.pop("dump", None)
         rep = build_report(cfg, recs, dump=str(entry.path), target=config.getoption("--parity-target"),
-                           mode=config.getoption("--parity-mode"))
+                           mode=entry.mode)
+        sess = _session(config).sessions.get(label)  # this process's session (absent on an xdist controller)
+        if sess is not None:  # protocol v2: what actually ran, in the report header
+            rep["target_info"] = target_info(sess.target)
         path = write_reports(rep, out_root / label)
         built.append((rep, path))
     config._parity_built = built

@@ -10,79 +10,159 @@ holds the names, their order and the HDF5 / report spellings.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Literal
 
 Phase = Literal["prefill", "decode"]
 
 MODEL_SITES_BEFORE = ("embed",)
 MODEL_SITES_AFTER = ("final_norm", "logits")
 
-KDA_SITES = (
-    "attention.q_proj",
-    "attention.k_proj",
-    "attention.v_proj",
-    "attention.q_conv1d",  # after conv + SiLU
-    "attention.k_conv1d",
-    "attention.v_conv1d",
-    "attention.f_proj",
-    "attention.gate",  # log-space decay after the gate function [B,T,H,d] fp32
-    "attention.b_proj",
-    "attention.beta",  # sigmoid(b_proj) fp32 [B,T,H]
-    "attention.core",  # recurrence output before o_norm [B,T,H,d]
-    "attention.g_proj",
-    "attention.o_norm",  # normalised and gated [B,T,H,d]
-    "attention.o_proj",
-    "attention.state",  # recurrent state after the step [B,H,K,V] fp32
-    "attention.conv_state",  # [3,B,P,W]: q,k,v conv histories (last W inputs, fla convention)
+# ------------------------------------------------------------------------------------------ the site graph
+@dataclass(frozen=True)
+class Site:
+    """One per-layer site of the graph (DESIGN §3): what it is computed from, how it is measured, where it exists.
+
+    name:    canonical site name (relative to `model.layers.{i}`); `<module>:in` is a module's recorded input.
+    kind:    where the site exists: "layer" (every layer), "kda", "mla" (with "mla/q_lora" and "mla/no_q_lora" for the
+             q-path variants), "dense" or "moe" (the MLP kind).
+    inputs:  sites of the same layer and step it is computed from — the data the site's computation reads, not the
+             module that happens to compute it (divergence sources, isolated feeding).
+    cls:     numerics class (calibration and noise tables group by it).
+    carry:   dumped sites of the *previous* step this site continues from at a decode step (KDA recurrent state).
+    history: dumped sites of *every earlier* step it attends over at a decode step (MLA expanded K/V cache).
+    positions: the computation takes the tokens' absolute positions (RoPE).
+    alias:   why the site has no computation of its own (it is another site's tensor, or the layer's input); such a
+             site is compared in layer/free replay but not recomputed in isolated replay.
+    """
+
+    name: str
+    kind: str
+    inputs: tuple[str, ...]
+    cls: str
+    carry: tuple[str, ...] = ()
+    history: tuple[str, ...] = ()
+    positions: bool = False
+    alias: str | None = None
+
+
+def _s(name, kind, inputs, cls, **kw) -> Site:
+    return Site(name, kind, tuple(inputs), cls, **kw)
+
+
+_QKV_PROJ = [_s(f"attention.{p}_proj", "kda", ["input_layernorm"], "projection") for p in "qkv"]
+_CONV = [_s(f"attention.{p}_conv1d", "kda", [f"attention.{p}_proj"], "conv", carry=["attention.conv_state"])
+         for p in "qkv"]  # after conv + SiLU
+# MLA keys/values: expanded (kv_b_proj; naive form), their RoPE part (kv_a_proj_with_mqa[..., c:]) and the normalised
+# latent (kv_a_layernorm) the absorbed decode form attends over (facts §4.5)
+_MLA_KV = ["attention.kv_b_proj", "attention.kv_a_proj_with_mqa", "attention.kv_a_layernorm"]
+
+# Declaration order is execution order within a layer (DESIGN §3).
+SITE_GRAPH: tuple[Site, ...] = (
+    _s("input", "layer", [], "residual", alias="the layer's input is what the layer is fed, not computed"),
+    _s("input_layernorm", "layer", ["input"], "layernorm"),
+    # KDA (facts §3)
+    *_QKV_PROJ, *_CONV,
+    _s("attention.f_proj", "kda", ["input_layernorm"], "projection"),
+    _s("attention.gate", "kda", ["attention.f_proj"], "gate_beta"),  # log-space decay after the gate [B,T,H,d] fp32
+    _s("attention.b_proj", "kda", ["input_layernorm"], "projection"),
+    _s("attention.beta", "kda", ["attention.b_proj"], "gate_beta"),  # sigmoid(b_proj) fp32 [B,T,H]
+    # recurrence output before o_norm [B,T,H,d] (facts §3.6: o_t = Sᵀ(s·q_t))
+    _s("attention.core", "kda", ["attention.q_conv1d", "attention.k_conv1d", "attention.v_conv1d", "attention.gate",
+                                 "attention.beta"], "attn_core", carry=["attention.state"]),
+    _s("attention.g_proj", "kda", ["input_layernorm"], "projection"),
+    _s("attention.o_norm", "kda", ["attention.core", "attention.g_proj"], "o_norm"),  # normalised and gated
+    _s("attention.o_proj", "kda", ["attention.o_norm"], "projection"),
+    # recurrent state after the step [B,H,K,V] fp32. The update S ← diag(exp g) S + k uᵀ, u = β(v − Sᵀk) reads k, v,
+    # gate, β and never q (facts §3.6; jax_ling3/kda.py), so q is not an input.
+    _s("attention.state", "kda", ["attention.k_conv1d", "attention.v_conv1d", "attention.gate", "attention.beta"],
+       "kda_state", carry=["attention.state"]),
+    # [3,B,P,W]: q,k,v conv histories (last W inputs, fla convention)
+    _s("attention.conv_state", "kda", ["attention.q_proj", "attention.k_proj", "attention.v_proj"], "conv",
+       carry=["attention.conv_state"]),
+    # MLA (facts §4)
+    _s("attention.q_a_proj", "mla/q_lora", ["input_layernorm"], "projection"),
+    _s("attention.q_a_layernorm", "mla/q_lora", ["attention.q_a_proj"], "layernorm"),
+    _s("attention.q_b_proj", "mla/q_lora", ["attention.q_a_layernorm"], "projection"),
+    _s("attention.q_proj", "mla/no_q_lora", ["input_layernorm"], "projection"),
+    _s("attention.kv_a_proj_with_mqa", "mla", ["input_layernorm"], "projection"),
+    _s("attention.kv_a_layernorm", "mla", ["attention.kv_a_proj_with_mqa"], "layernorm"),
+    _s("attention.kv_b_proj", "mla", ["attention.kv_a_layernorm"], "projection"),
+    # attention output before the head gate [B,T,H*v]: scores from q and the expanded keys (nope part from kv_b_proj,
+    # RoPE part from kv_a_proj_with_mqa[..., c:]), values from kv_b_proj (facts §4.2-4.4). The q input is q_b_proj
+    # or q_proj by the q-LoRA setting (`site_inputs` keeps the one that exists).
+    _s("attention.core", "mla", ["attention.q_b_proj", "attention.q_proj", *_MLA_KV], "attn_core", history=_MLA_KV,
+       positions=True),
+    _s("attention.g_proj", "mla", ["input_layernorm"], "projection"),
+    _s("attention.gate", "mla", ["attention.g_proj"], "gate_beta"),  # sigmoid per head [B,T,H]
+    _s("attention.dense:in", "mla", ["attention.core", "attention.gate"], "attn_core"),  # gated output (facts §4.6)
+    _s("attention.dense", "mla", ["attention.dense:in"], "projection"),
+    _s("attention", "layer", ["attention.o_proj", "attention.dense"], "attention_out",
+       alias="the attention block output is the `attention.o_proj` / `attention.dense` output itself"),
+    _s("post_attention_layernorm", "layer", ["input", "attention"], "layernorm"),
+    # dense MLP
+    _s("mlp.gate_proj", "dense", ["post_attention_layernorm"], "projection"),
+    _s("mlp.up_proj", "dense", ["post_attention_layernorm"], "projection"),
+    _s("mlp.down_proj", "dense", ["mlp.gate_proj", "mlp.up_proj"], "mlp_out"),
+    _s("mlp", "dense", ["mlp.down_proj"], "mlp_out", alias="a dense layer's `mlp` output is the `mlp.down_proj` output itself"),
+    # MoE (facts §5)
+    _s("mlp.gate.logits", "moe", ["post_attention_layernorm"], "router_logits"),  # fp32 [B,T,E]
+    _s("mlp.gate.topk_idx", "moe", ["mlp.gate.logits"], "router_ids"),  # int [B,T,k], compared as sets (routing)
+    _s("mlp.gate.topk_weight", "moe", ["mlp.gate.logits", "mlp.gate.topk_idx"], "topk_weight"),  # renormalised, scaled
+    _s("mlp.routed", "moe", ["post_attention_layernorm", "mlp.gate.topk_idx", "mlp.gate.topk_weight"], "mlp_out"),
+    _s("mlp.shared_experts", "moe", ["post_attention_layernorm"], "mlp_out"),
+    _s("mlp", "moe", ["mlp.routed", "mlp.shared_experts"], "mlp_out"),
+    _s("output", "layer", ["input", "attention", "mlp"], "residual"),
 )
 
-MLA_SITES = (
-    "attention.q_a_proj",  # q-LoRA only
-    "attention.q_a_layernorm",  # q-LoRA only
-    "attention.q_b_proj",  # q-LoRA only
-    "attention.q_proj",  # no q-LoRA only
-    "attention.kv_a_proj_with_mqa",
-    "attention.kv_a_layernorm",
-    "attention.kv_b_proj",
-    "attention.core",  # attention output before the head gate [B,T,H*v]
-    "attention.g_proj",
-    "attention.gate",  # sigmoid per head [B,T,H]
-    "attention.dense",
-)
-
-DENSE_MLP_SITES = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp")
-
-MOE_SITES = (
-    "mlp.gate.logits",  # fp32 router logits [B,T,E]
-    "mlp.gate.topk_idx",  # int [B,T,k]
-    "mlp.gate.topk_weight",  # fp32 [B,T,k], renormalised and scaled
-    "mlp.routed",  # weighted sum of routed experts
-    "mlp.shared_experts",
-    "mlp",
-)
-
-# Inputs recorded for isolated replay where they are not another site's output (DESIGN §3).
-# (KDA `attention.core` is what o_norm is fed, and `attention.o_norm` what o_proj is fed, so they need no `:in`.)
-INPUT_SITES = ("attention.dense:in",)  # MLA gated attention output [B,T,H*v] fed to dense
+# Numerics classes of the model-level sites (no layer).
+MODEL_SITE_CLASSES = {"embed": "embed", "final_norm": "head", "logits": "head"}
 
 
-def layer_sites(kind: str, moe: bool, q_lora: bool) -> tuple[str, ...]:
-    """All per-layer sites of a layer, in execution order."""
-    if kind == "kda":
-        attn = KDA_SITES
-    elif kind == "mla":
-        skip = {"attention.q_proj"} if q_lora else {"attention.q_a_proj", "attention.q_a_layernorm", "attention.q_b_proj"}
-        attn = tuple(s for s in MLA_SITES if s not in skip)
-    else:
+def _layer_kinds(kind: str, moe: bool, q_lora: bool) -> set[str]:
+    if kind not in ("kda", "mla"):
         raise ValueError(f"layer kind {kind!r}, expected 'kda' or 'mla'")
-    mlp = MOE_SITES if moe else DENSE_MLP_SITES
-    return ("input", "input_layernorm", *attn, "attention", "post_attention_layernorm", *mlp, "output")
+    kinds = {"layer", kind, "moe" if moe else "dense"}
+    if kind == "mla":
+        kinds.add("mla/q_lora" if q_lora else "mla/no_q_lora")
+    return kinds
 
 
-def sites_for_config(cfg, i: int) -> tuple[str, ...]:
-    """Sites of layer i of a Ling3Config."""
-    return layer_sites(cfg.layer_kind(i), cfg.is_moe(i), cfg.q_lora)
+def layer_graph(kind: str, moe: bool, q_lora: bool) -> tuple[Site, ...]:
+    """The graph of one layer: its sites in execution order, inputs restricted to sites the layer has."""
+    kinds = _layer_kinds(kind, moe, q_lora)
+    sites = [s for s in SITE_GRAPH if s.kind in kinds]
+    names = {s.name for s in sites}
+    return tuple(dataclasses.replace(s, inputs=tuple(x for x in s.inputs if x in names)) for s in sites)
+
+
+def layer_sites(kind: str, moe: bool, q_lora: bool, *, recorded_inputs: bool = False) -> tuple[str, ...]:
+    """Per-layer sites in execution order: module outputs, and with `recorded_inputs` also the `<module>:in` sites
+    (what a replay compares and a dump of the twin holds)."""
+    return tuple(s.name for s in layer_graph(kind, moe, q_lora) if recorded_inputs or not s.name.endswith(":in"))
+
+
+def sites_for_config(cfg, i: int, *, recorded_inputs: bool = False) -> tuple[str, ...]:
+    """Sites of layer i of a Ling3Config (see `layer_sites`)."""
+    return layer_sites(cfg.layer_kind(i), cfg.is_moe(i), cfg.q_lora, recorded_inputs=recorded_inputs)
+
+
+def site_of(cfg, i: int, name: str) -> Site:
+    """The graph entry of site `name` in layer i; KeyError naming the layer kind when the layer has no such site."""
+    for s in layer_graph(cfg.layer_kind(i), cfg.is_moe(i), cfg.q_lora):
+        if s.name == name:
+            return s
+    raise KeyError(f"site {name!r} does not exist in layer {i} ({cfg.layer_kind(i)}, "
+                   f"{'moe' if cfg.is_moe(i) else 'dense'})")
+
+
+def site_class(site: str) -> str:
+    """Numerics class of a site ('other' for an unknown name). A name shared by KDA and MLA layers
+    (`attention.core`, `.gate`, `.g_proj`) has one class in both; the tensor dtype separates them where it matters."""
+    if site in MODEL_SITE_CLASSES:
+        return MODEL_SITE_CLASSES[site]
+    return next((s.cls for s in SITE_GRAPH if s.name == site), "other")
 
 
 @dataclass(frozen=True, order=True)
@@ -107,23 +187,34 @@ class Point:
         return "/" + "/".join(self.h5_parts())
 
 
+def parse_layers(text: str | None, option: str = "--layers") -> list[int] | None:
+    """Layer selection "0-3,7" -> [0, 1, 2, 3, 7] (None for no selection); an empty or reversed range is refused,
+    `option` names the flag in the error."""
+    import re
+
+    from parity.errors import ParityError
+
+    if text is None:
+        return None
+    out: list[int] = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not m:
+            raise ParityError(f"{option} {text!r}: {part.strip()!r} is not a layer number or a range; expected "
+                              "comma-separated layer numbers or ranges like 0-3,7")
+        a, b = int(m[1]), int(m[2] if m[2] is not None else m[1])
+        if b < a:
+            raise ParityError(f"{option} {text!r}: range {a}-{b} is empty (start > end); expected a range like {b}-{a}")
+        out += range(a, b + 1)
+    return out
+
+
 def layer_group(i: int) -> str:
     return f"L{i:02d}"
 
 
 def step_group(k: int) -> str:
     return f"S{k:03d}"
-
-
-def execution_order(cfg, phases: Iterable[tuple[str, int]]) -> list[Point]:
-    """Every point of the model in execution order for the given (phase, step) pairs."""
-    out: list[Point] = []
-    for phase, step in phases:
-        out += [Point(phase, step, None, s) for s in MODEL_SITES_BEFORE]
-        for i in range(cfg.num_hidden_layers):
-            out += [Point(phase, step, i, s) for s in sites_for_config(cfg, i)]
-        out += [Point(phase, step, None, s) for s in MODEL_SITES_AFTER]
-    return out
 
 
 # ------------------------------------------------------------------------------------------ canonical shapes
@@ -167,62 +258,17 @@ def canonical_shape(cfg, layer: int | None, site: str, batch: int, seq: int) -> 
     return table.get(site)
 
 
-# ------------------------------------------------------------------------------------------ dataflow graph
-# Which sites a site is computed from, inside one layer (facts §3–§5). The report uses it to find the *source* of a
-# divergence: the first failing point whose own inputs pass (DESIGN §6, graph-aware as coremltools does).
-_KDA_INPUTS = {
-    "input_layernorm": ("input",),
-    **{f"attention.{p}": ("input_layernorm",) for p in ("q_proj", "k_proj", "v_proj", "f_proj", "b_proj", "g_proj")},
-    "attention.q_conv1d": ("attention.q_proj",),
-    "attention.k_conv1d": ("attention.k_proj",),
-    "attention.v_conv1d": ("attention.v_proj",),
-    "attention.gate": ("attention.f_proj",),
-    "attention.beta": ("attention.b_proj",),
-    "attention.core": ("attention.q_conv1d", "attention.k_conv1d", "attention.v_conv1d", "attention.gate",
-                       "attention.beta"),
-    "attention.state": ("attention.k_conv1d", "attention.v_conv1d", "attention.gate", "attention.beta"),
-    "attention.conv_state": ("attention.q_proj", "attention.k_proj", "attention.v_proj"),
-    "attention.o_norm": ("attention.core", "attention.g_proj"),
-    "attention.o_proj": ("attention.o_norm",),
-    "attention": ("attention.o_proj",),
-}
-_MLA_INPUTS = {
-    "input_layernorm": ("input",),
-    "attention.q_a_proj": ("input_layernorm",),
-    "attention.q_a_layernorm": ("attention.q_a_proj",),
-    "attention.q_b_proj": ("attention.q_a_layernorm",),
-    "attention.q_proj": ("input_layernorm",),
-    "attention.kv_a_proj_with_mqa": ("input_layernorm",),
-    "attention.kv_a_layernorm": ("attention.kv_a_proj_with_mqa",),
-    "attention.kv_b_proj": ("attention.kv_a_layernorm",),
-    "attention.core": ("attention.q_b_proj", "attention.q_proj", "attention.kv_a_proj_with_mqa",
-                       "attention.kv_b_proj"),
-    "attention.g_proj": ("input_layernorm",),
-    "attention.gate": ("attention.g_proj",),
-    "attention.dense:in": ("attention.core", "attention.gate"),
-    "attention.dense": ("attention.dense:in", "attention.core", "attention.gate"),
-    "attention": ("attention.dense",),
-}
-MLP_INPUTS = {  # also the isolated-mode feeds of the MLP sites (parity/isolated.py)
-    "post_attention_layernorm": ("input", "attention"),
-    "mlp.gate_proj": ("post_attention_layernorm",),
-    "mlp.up_proj": ("post_attention_layernorm",),
-    "mlp.down_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.gate.logits": ("post_attention_layernorm",),
-    "mlp.gate.topk_idx": ("mlp.gate.logits",),
-    "mlp.gate.topk_weight": ("mlp.gate.logits", "mlp.gate.topk_idx"),
-    "mlp.routed": ("post_attention_layernorm", "mlp.gate.topk_idx", "mlp.gate.topk_weight"),
-    "mlp.shared_experts": ("post_attention_layernorm",),
-    "output": ("input", "attention", "mlp"),
-}
-
-
-def site_inputs(kind: str, moe: bool, site: str) -> tuple[str, ...]:
-    """Sites of the same layer that `site` is computed from (empty for `input`)."""
-    if site == "mlp":
-        return ("mlp.routed", "mlp.shared_experts") if moe else ("mlp.down_proj",)
-    table = _KDA_INPUTS if kind == "kda" else _MLA_INPUTS
-    return table.get(site) or MLP_INPUTS.get(site, ())
+# ------------------------------------------------------------------------------------------ dataflow
+def site_inputs(kind: str, moe: bool, site: str, q_lora: bool | None = None) -> tuple[str, ...]:
+    """Sites of the same layer that `site` is computed from (empty for `input` and unknown names). With q_lora None
+    both MLA q-paths count as present (a given dump holds one of them)."""
+    kinds = _layer_kinds(kind, moe, bool(q_lora)) | ({"mla/q_lora", "mla/no_q_lora"} if q_lora is None else set())
+    graph = [s for s in SITE_GRAPH if s.kind in kinds]
+    names = {s.name for s in graph}
+    for s in graph:
+        if s.name == site:
+            return tuple(x for x in s.inputs if x in names)
+    return ()
 
 
 def point_inputs(cfg, point: Point) -> list[Point]:
@@ -237,4 +283,4 @@ def point_inputs(cfg, point: Point) -> list[Point]:
     i = point.layer
     if point.site == "input":
         return [Point(ph, st, None, "embed")] if i == 0 else [Point(ph, st, i - 1, "output")]
-    return [Point(ph, st, i, s) for s in site_inputs(cfg.layer_kind(i), cfg.is_moe(i), point.site)]
+    return [Point(ph, st, i, s) for s in site_inputs(cfg.layer_kind(i), cfg.is_moe(i), point.site, cfg.q_lora)]

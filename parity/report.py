@@ -151,6 +151,9 @@ def markdown(report: dict) -> str:
     out = [f"# ling3-parity report — {'PASSED' if report['passed'] else 'FAILED'}", "",
            f"- dump: `{report['dump']}`", f"- target: `{report['target']}`", f"- mode: `{report['mode']}`",
            f"- counts: {report.get('counts')}", ""]
+    info = report.get("target_info")  # protocol v2: what actually ran (Target.describe())
+    if info:
+        out += ["## What ran", ""] + [f"- {k}: `{v}`" for k, v in info.items()] + [""]
     fd = report.get("first_divergence")
     if fd:
         out += ["## First divergence", "", f"- point: `{_loc(fd)}` — max {fd.get('max_ulp')} ULP, "

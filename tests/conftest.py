@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Unit tests jit jax_ling3 functions themselves (not only through the reference's compiled layer), so the machinery
+# tests keep the reference's bf16 roundings process-wide; `pytest parity` (a port's replay) does not load this file.
+if "xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
 
 import pytest
 

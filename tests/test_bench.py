@@ -26,3 +26,23 @@ def test_bench_dump_child_times_the_writer(tmp_path):
     assert 0 < d["write_s"]["min"] <= d["dump_forward"]["min"]
     assert d["array_mb"] > 0 and d["write_mb_per_s"] > 0 and d["file_mb"] > 0
     assert "HDF5 writer" in table({"jax": [], "torch": [], "dump": [d], "loadavg_start": [0, 0, 0], "ncpu": 2})
+
+
+def test_bench_inputs_round_like_torch():
+    """The bench input is rounded to bf16 with ml_dtypes (no torch import in the JAX child): same bits as torch's
+    `.to(torch.bfloat16)` (round to nearest even), including ties, which a truncating rounding gets wrong."""
+    import numpy as np
+    import torch
+
+    from parity.bench import hidden_states
+
+    h = hidden_states(64, 96)
+    x = np.random.default_rng(0).standard_normal((1, 64, 96)).astype(np.float32)
+    ref = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(h.view(np.uint32), ref.view(np.uint32))
+    assert (h.view(np.uint32) & 0xFFFF == 0).all()
+    # a tie (exactly half a bf16 ULP above 1.0) and its odd neighbour: RNE rounds 1+2^-8 down, 1+3·2^-8 up
+    import ml_dtypes
+    ties = np.array([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8], np.float32)
+    np.testing.assert_array_equal(ties.astype(ml_dtypes.bfloat16).astype(np.float32),
+                                  torch.from_numpy(ties).to(torch.bfloat16).float().numpy())

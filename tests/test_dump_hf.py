@@ -151,29 +151,198 @@ def test_guards_catch_official_quirks(tmp_path):
                 np.testing.assert_array_equal(r0.read(p), r1.read(p), err_msg=f"{quirk}: {p.key()}")
 
 
+def _wait_until(cond, proc: subprocess.Popen, what: str, deadline_s: float = 900.0) -> None:
+    """Poll `cond` until it holds (no fixed sleep: a loaded machine only makes this slower); fail if the process
+    ends first or nothing happens within a generous deadline."""
+    end = time.monotonic() + deadline_s
+    while not cond():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the process ended (rc {proc.returncode}) before {what}: {err[-2000:]}")
+        if time.monotonic() > end:
+            proc.kill()
+            pytest.fail(f"no {what} within {deadline_s:.0f} s")
+        time.sleep(0.1)
+
+
+def _long_dump(out: Path) -> subprocess.Popen:
+    """A CLI dump that writes for many seconds (600 tokens, 50 decode steps) — to be interrupted."""
+    return subprocess.Popen([sys.executable, str(REPO / "tools" / "dump_hf.py"), str(CKPT / "tiny"), "--out", str(out),
+                             "--prompt-len", "600", "--decode-steps", "50", "--no-progress"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _writing(tmp_dir: Path, name: str, min_bytes: int = 1 << 20):
+    """Condition: the writer's temporary file exists and holds data (points are being written)."""
+    def cond() -> bool:
+        return any(f.stat().st_size >= min_bytes for f in tmp_dir.glob(f"{name}.tmp-*") if f.exists())
+    return cond
+
+
 def test_refuses_overwrite_and_interrupted_dump_leaves_nothing(tmp_path, tiny_dump):
     with pytest.raises(ParityError, match="--force"):
         dump_checkpoint(CKPT / "tiny", tiny_dump, IDS_80, _opts())
     out = tmp_path / "killed.h5"
-    code = (
-        "import sys; from parity.torch_ref.dump import DumpOptions, dump_checkpoint;"
-        "from parity.torch_ref.prompts import builtin_ids;"
-        f"dump_checkpoint({str(CKPT / 'tiny')!r}, {str(out)!r}, builtin_ids(512, 600, seed=1),"
-        " DumpOptions(progress=False, decode_steps=50))"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
-    deadline = time.time() + 120
-    while time.time() < deadline and not list(tmp_path.glob("killed.h5.tmp*")):
-        time.sleep(0.2)
-    time.sleep(1.0)
+    proc = _long_dump(out)
+    _wait_until(_writing(tmp_path, out.name), proc, "temporary file with data")
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.communicate()
     assert not out.exists()
     leftovers = list(tmp_path.glob("killed.h5*"))
     assert leftovers, "the writer should have been killed mid-write (temp file present)"
     for f in leftovers:
         with pytest.raises(DumpError):
             validate_dump(f)
+    # the next dump of the same file removes the dead writer's temporary file and says so; a running process's
+    # temporary file (this test's own PID) is left alone and named
+    alive = tmp_path / f"killed.h5.tmp-{os.getpid()}"
+    alive.write_bytes(b"\0" * 512 + b"\x89HDF\r\n\x1a\n")
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "dump_hf.py"), str(CKPT / "tiny"), "--out", str(out),
+                        "--prompt-len", "8", "--decode-steps", "0", "--layers", "0", "--no-progress"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    for f in leftovers:
+        assert not f.exists() and f"removed {f}: temporary file of a dump that did not finish" in r.stderr, r.stderr
+    assert alive.exists() and f"{alive}: temporary file of a running process (PID {os.getpid()}), left alone" \
+        in r.stderr, r.stderr
+    validate_dump(out)
+
+
+def test_sigterm_removes_the_temporary_file(tmp_path):
+    out = tmp_path / "term.h5"
+    proc = _long_dump(out)
+    _wait_until(_writing(tmp_path, out.name), proc, "temporary file with data")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGTERM, err[-2000:]  # dies of SIGTERM, as without a handler
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tools" / "dump_hf.py"), *args, "--no-progress"],
+                          capture_output=True, text=True, cwd=REPO)
+
+
+def _limit_file_size(n: int):
+    def preexec():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (n, n))
+    return preexec
+
+
+def test_a_file_size_limit_is_one_line_and_leaves_nothing(tmp_path):
+    """`ulimit -f` while writing (measured on the old writer: ~1,900-5,600 lines of h5py errors, then a segfault)."""
+    out = tmp_path / "big.h5"
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "dump_hf.py"), str(CKPT / "tiny"), "--out", str(out),
+                        "--prompt-len", "40", "--decode-steps", "4", "--no-progress"],
+                       capture_output=True, text=True, cwd=REPO, preexec_fn=_limit_file_size(1 << 20))
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert r.stderr.count("\n") == 1, r.stderr[-3000:]
+    assert r.stderr.startswith(f"dump_hf: error: {out}: cannot write the dump (writing ") and \
+        "File too large (the process's file-size limit, `ulimit -f`, is 1048576 bytes)" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """ENOSPC (injected below the writer's file object: a real full disk needs a small filesystem to mount), with a
+    partial write before it as the kernel does at the last free block."""
+    import errno
+
+    import parity.dumpfile as dumpfile
+
+    class FullDisk(dumpfile._SafeFile):
+        room = 300_000
+
+        def _write_some(self, view) -> int:
+            if FullDisk.room <= 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            n = min(len(view), FullDisk.room)
+            FullDisk.room -= n
+            return super()._write_some(view[:n])
+
+    monkeypatch.setattr(dumpfile, "_SafeFile", FullDisk)
+    out = tmp_path / "full.h5"
+    with pytest.raises(DumpError, match=r"full\.h5: cannot write the dump \(writing .*\): No space left on device "
+                                        r"\([\d.]+ MB free in .*\); nothing was left under full\.h5"):
+        dump_checkpoint(CKPT / "tiny", out, IDS_80[:, :40], _opts(decode_steps=1, causality_check=False))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--layers", "3-1"], "dump_hf: error: --layers '3-1': range 3-1 is empty (start > end)"),
+    (["--layers", "0,9"], "dump_hf: error: --layers '0,9': layer(s) [9] out of range; the model has layers 0..7"),
+    (["--layers", "two"], "dump_hf: error: --layers 'two': 'two' is not a layer number or a range"),
+    (["--sites", "atention.*"], "dump_hf: error: --sites: pattern 'atention.*' matches no site of the dumped layers"),
+    (["--sites", "mlp.gate.*", "--layers", "0"],  # layer 0 is dense
+     "dump_hf: error: --sites: pattern 'mlp.gate.*' matches no site of the dumped layers"),
+    (["--decode-steps", "-1"], "dump_hf: error: argument --decode-steps: -1: expected an integer >= 0"),
+    (["--prompt-len", "0"], "dump_hf: error: argument --prompt-len: 0: expected an integer >= 1"),
+])
+def test_cli_refuses_bad_options_in_one_line(tmp_path, args, expected):
+    r = _cli(str(CKPT / "tiny"), "--out", str(tmp_path / "x.h5"), *args)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith(expected), r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_refuses_a_directory_as_out(tmp_path):
+    r = _cli(str(CKPT / "tiny"), "--out", str(tmp_path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"dump_hf: error: {tmp_path}: is a directory; expected the path of the dump file"), \
+        r.stderr
+    r = _cli(str(CKPT / "tiny"), "--out", str(tmp_path), "--force")  # --force does not make a directory a dump
+    assert r.returncode == 2 and "is a directory" in r.stderr and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("layer_types, expected", [
+    (["linear_attention"] * 5 + ["lightning_attention"] + ["linear_attention", "full_attention"],
+     "field 'layer_types'[5] = 'lightning_attention', expected 'linear_attention' (KDA) or 'full_attention' (MLA)"),
+    (["linear_attention"] * 8, "field 'layer_types'[3] = 'linear_attention', but layer 3 is MLA"),
+    (["linear_attention"] * 3, "field 'layer_types' = ['linear_attention', 'linear_attention', 'linear_attention'], "
+                               "expected a list of num_hidden_layers = 8 entries"),
+])
+def test_cli_refuses_a_config_with_bad_layer_types(tmp_path, layer_types, expected):
+    ck = tmp_path / "ck"
+    shutil.copytree(CKPT / "tiny", ck)
+    cfgd = json.loads((ck / "config.json").read_text())
+    cfgd["layer_types"] = layer_types
+    (ck / "config.json").write_text(json.dumps(cfgd))
+    r = _cli(str(ck), "--out", str(tmp_path / "x.h5"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"dump_hf: error: {ck / 'config.json'}: {expected}"), r.stderr
+    assert not (tmp_path / "x.h5").exists()
+
+
+def test_remote_code_runs_only_when_trusted_or_the_suites_twin(tmp_path):
+    """A checkpoint whose modeling file is not the twin's: refused without --trust-remote-code before any of its code
+    runs (the edited file leaves a marker when imported); run with it; --runtime native runs none of it."""
+    ck = tmp_path / "ck"
+    shutil.copytree(CKPT / "tiny-flash", ck)
+    marker = tmp_path / "ran"
+    with open(ck / "modeling_bailing_moe_v3.py", "a") as f:
+        f.write(f"\nopen({str(marker)!r}, 'a').write('imported\\n')\n")
+    small = ["--prompt-len", "8", "--decode-steps", "0", "--layers", "0"]
+    r = _cli(str(ck), "--out", str(tmp_path / "a.h5"), *small)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"dump_hf: error: {ck}: --runtime remote would run the checkpoint's own Python code "
+                               "(configuration_bailing_moe_v3.py, modeling_bailing_moe_v3.py; "
+                               "modeling_bailing_moe_v3.py differs from the suite's twin (sha256)); "
+                               "pass --trust-remote-code"), r.stderr
+    assert not marker.exists() and not (tmp_path / "a.h5").exists()
+    r = _cli(str(ck), "--out", str(tmp_path / "n.h5"), "--runtime", "native", *small)
+    assert r.returncode == 0 and not marker.exists(), r.stderr
+    r = _cli(str(ck), "--out", str(tmp_path / "a.h5"), "--trust-remote-code", *small)
+    assert r.returncode == 0 and marker.read_text() == "imported\n", r.stderr
+    with DumpReader(tmp_path / "a.h5") as d:
+        g = d.meta["guards"] if isinstance(d.meta["guards"], dict) else json.loads(d.meta["guards"])
+        assert g["remote_code"]["trusted"] == "explicitly" and g["remote_code"]["suite_twin"] is False
+    # the library refuses the same way (DumpOptions.trust_remote_code defaults to False)
+    with pytest.raises(ParityError, match="differs from the suite's twin"):
+        dump_checkpoint(ck, tmp_path / "b.h5", IDS_80[:, :8], _opts(decode_steps=0, layers=[0]))
+    # a bundled checkpoint is the twin: trusted without the flag (test_cli_end_to_end runs one)
+    from parity.torch_ref.remote_code import twin_mismatch
+
+    assert twin_mismatch(CKPT / "tiny") is None and twin_mismatch(CKPT / "tiny-flash") is None
 
 
 def test_cli_end_to_end(tmp_path):

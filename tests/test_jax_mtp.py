@@ -50,7 +50,7 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 
 
 def _dump(ckpt: Path, out: Path, dtype: str) -> Path:
-    dump_checkpoint(ckpt, out, builtin_ids(512, T, seed=5), DumpOptions(dtype=dtype, decode_steps=STEPS,
+    dump_checkpoint(ckpt, out, builtin_ids(512, T, seed=5), DumpOptions(dtype=dtype, decode_steps=STEPS, trust_remote_code=True,
                                                                         progress=False, semantics_probe=False))
     return out
 

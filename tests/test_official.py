@@ -90,7 +90,7 @@ def ckpts(tmp_path_factory):
 
 
 def _dump(ck: Path, out: Path, T: int, dtype: str, **kw) -> DumpReader:
-    dump_checkpoint(ck, out, builtin_ids(512, T, seed=1), DumpOptions(dtype=dtype, decode_steps=2, progress=False,
+    dump_checkpoint(ck, out, builtin_ids(512, T, seed=1), DumpOptions(dtype=dtype, decode_steps=2, progress=False, trust_remote_code=True,
                                                                        **kw))
     return DumpReader(out)
 

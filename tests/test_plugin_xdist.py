@@ -1,5 +1,6 @@
 """`pytest parity -n 2`: every point of one (dump, layer) runs on one xdist worker, so each layer is replayed once
-(xdist's default `load` spread a layer's points over both workers, and each replayed it)."""
+(xdist's default `load` spread a layer's points over both workers, and each replayed it). Checked with whatever
+pytest / pytest-xdist is installed: on pytest 9.2 xdist's own loadgroup no longer groups (pytest-xdist #1386)."""
 
 import os
 import re
@@ -9,6 +10,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+
+from parity.xdist_groups import point_group
 
 ROOT = Path(__file__).resolve().parents[1]
 DUMP = ROOT / "dumps" / "tiny-bf16.h5"
@@ -34,7 +37,13 @@ def _workers_by_layer(*extra: str) -> tuple[dict, set]:
 def test_a_layers_points_run_on_one_worker():
     workers, suffixes = _workers_by_layer()
     assert all(len(w) == 1 for w in workers.values()), dict(workers)
-    assert suffixes == {"@parity:tiny-bf16:model", "@parity:tiny-bf16:L00", "@parity:tiny-bf16:L01"}
+    assert suffixes == {None}  # test ids stay as collected (no xdist `@group` suffix)
+
+
+@pytest.mark.skipif(not DUMP.exists(), reason=f"{DUMP} not present")
+def test_an_explicit_loadgroup_groups_too():
+    workers, _ = _workers_by_layer("--dist", "loadgroup")
+    assert all(len(w) == 1 for w in workers.values()), dict(workers)
 
 
 @pytest.mark.skipif(not DUMP.exists(), reason=f"{DUMP} not present")
@@ -42,3 +51,14 @@ def test_an_explicit_dist_is_honoured():
     # the negative control: with the user's own --dist load, the points of a layer do spread over both workers
     workers, suffixes = _workers_by_layer("--dist", "load")
     assert suffixes == {None} and any(len(w) == 2 for w in workers.values()), dict(workers)
+
+
+def test_point_group_reads_dump_and_layer_from_the_id():
+    f = "parity/test_points.py::test_point"
+    assert point_group(f"{f}[tiny-bf16/prefill/layer_3/attention.core]") == "parity:tiny-bf16:layer_3"
+    assert point_group(f"{f}[tiny-bf16/decode_2/layer_13/attention.dense:in]") == "parity:tiny-bf16:layer_13"
+    assert point_group(f"{f}[a.b-c/decode_1/model/logits]") == "parity:a.b-c:model"
+    # other tests, and a dump that could not be read, are their own units
+    assert point_group(f"{f}[tiny-bf16/unreadable]") is None
+    assert point_group("tests/test_x.py::test_point[tiny/prefill/layer_3]") is None
+    assert point_group("tests/test_x.py::test_other[tiny/prefill/layer_3/core]") is None

@@ -16,7 +16,8 @@ from parity.dumpfile import DumpReader, seal_dump
 from parity.golden import DUMPS
 from parity.numerics.tolerances import default_rules
 from parity.points import Point
-from parity.replay import ReplayContext, compare_point, routing_records, run_replay
+from parity.replay import Observation, Session, Status, judge_point, run_replay
+from parity.replay.routing import routing_record
 
 
 def _edit(path, h5path: str, fn) -> None:
@@ -62,7 +63,7 @@ def test_edited_site_is_the_first_divergence_and_its_source(dump, factor, tmp_pa
 
 # ------------------------------------------------------------------------------------------------ routing
 class _Dump:
-    """Just enough of DumpReader for routing_records: a few arrays by point."""
+    """Just enough of DumpReader for the judge and routing_record: a few arrays by point."""
 
     def __init__(self, arrays: dict):
         self.arrays = arrays
@@ -111,8 +112,15 @@ def _routing_case(layer: int = 1):
 
 
 def _ctx(arrays):
-    return ReplayContext(dump=_Dump(arrays), ckpt=None, target=None, rules=default_rules(), mode="layer",
-                         dtype="bfloat16")
+    return Session(dump=_Dump(arrays), ckpt=None, target=None, rules=default_rules(), mode="layer", dtype="bfloat16")
+
+
+def compare_point(ctx, point, test):
+    return judge_point(ctx, Observation(point, ctx.dump.read(point), test, ctx.mode))
+
+
+def routing_records(ctx, point, idx, logits, bias, cfg, logits_ok):
+    return routing_record(ctx.dump, point, idx, logits, bias, cfg, logits_ok=logits_ok)
 
 
 def _logit_of(score, bias):
@@ -136,9 +144,9 @@ def test_near_tie_nudge_is_benign_and_large_swap_fails():
     ref_idx[0, t] = np.sort(np.where(ref_idx[0, t] == kept, other, ref_idx[0, t]))
     ctx = _ctx({lp: ref_logits, ip: ref_idx.astype(np.int32)})
     logits_rec = compare_point(ctx, lp, logits)
-    assert logits_rec["status"] == "pass", logits_rec.get("message")  # the nudge is within the logits' resolution
+    assert logits_rec.status == Status.PASS, logits_rec.message  # the nudge is within the logits' resolution
     rec, benign = routing_records(ctx, ip, idx, logits, bias, cfg, logits_ok=True)
-    assert rec["status"] == "benign" and rec["flipped"] == 1 and benign[0, t], rec
+    assert rec.status == "benign" and rec.stats["flipped"] == 1 and benign[0, t], rec
 
     # Large swap: the reference's ids replace its best expert by the worst unselected one while its logits say
     # otherwise (a real routing bug on one side) -> a failure.
@@ -150,13 +158,45 @@ def test_near_tie_nudge_is_benign_and_large_swap_fails():
     bad_idx[0, t2] = np.sort(np.where(bad_idx[0, t2] == best, worst_out, bad_idx[0, t2]))
     ctx = _ctx({lp: logits, ip: bad_idx.astype(np.int32)})
     rec, _ = routing_records(ctx, ip, idx, logits, bias, cfg, logits_ok=True)
-    assert rec["status"] == "fail" and rec["worst_index"] == [0, t2], rec
+    assert rec.status == "fail" and rec.stats["worst_index"] == [0, t2], rec
 
     # And a swap "explained" only by router logits that themselves fail their comparison is a failure too.
     big = logits.copy()
     big[0, t2, worst_out] += 8.0
     ctx = _ctx({lp: big, ip: bad_idx.astype(np.int32)})
     logits_rec = compare_point(ctx, lp, logits)
-    assert logits_rec["status"] == "fail"
+    assert logits_rec.status == Status.FAIL
     rec, _ = routing_records(ctx, ip, idx, logits, bias, cfg, logits_ok=False)
-    assert rec["status"] == "fail" and "logits themselves fail" in rec["message"]
+    assert rec.status == "fail" and "logits themselves fail" in rec.message
+
+
+# ------------------------------------------------------------------------------------------------ contracts
+def test_shape_mismatch_is_a_failure_naming_both_shapes():
+    """A target output of the right size but another shape is a broken shape contract: it fails, never reshaped."""
+    p = Point("prefill", 0, 0, "attention.core")
+    ref = np.arange(24, dtype=np.float32).reshape(1, 2, 3, 4)
+    ctx = _ctx({p: ref})
+    rec = compare_point(ctx, p, ref.reshape(1, 2, 12))  # same values, same size, flattened heads
+    assert rec.status == Status.FAIL
+    assert "(1, 2, 3, 4)" in rec.message and "(1, 2, 12)" in rec.message, rec.message
+    assert compare_point(ctx, p, ref.copy()).status == Status.PASS  # the same values in the right shape pass
+    j = rec.to_json()
+    assert j["status"] == "fail" and "shape mismatch" in j["reason"]
+
+
+def test_mode_the_target_cannot_run_is_one_error():
+    """`forced` without the forced_routing capability (and `isolated` without `isolated`) is refused up front with
+    one line naming the mode and the capability, instead of silently replaying in `layer` mode."""
+    from parity.replay import ModeError
+    from parity.targets.reference import ReferenceTarget
+
+    for mode, cap in (("forced", "forced_routing"), ("isolated", "isolated")):
+        class Lacking(ReferenceTarget):
+            capabilities = ReferenceTarget.capabilities - {cap}
+
+        with pytest.raises(ModeError) as e:
+            run_replay(DUMPS / "tiny-bf16.h5", target=Lacking(), mode=mode)
+        msg = str(e.value)
+        assert "\n" not in msg and mode in msg and cap in msg, msg
+    with pytest.raises(ModeError, match="expected one of"):
+        run_replay(DUMPS / "tiny-bf16.h5", mode="teleport")

@@ -1,32 +1,59 @@
-"""`tools/dump_hf.py CKPT_DIR --out FILE.h5`: capture per-layer activations of a Ling3 HF model into HDF5."""
+"""`tools/dump_hf.py CKPT_DIR --out FILE.h5`: capture per-layer activations of a Ling3 HF model into HDF5.
+
+With --runtime remote (the default) this runs the checkpoint's own Python files (config.json auto_map: for a real
+Ling3 checkpoint the official modeling_bailing_moe_v3.py and configuration_bailing_moe_v3.py) in this process, which
+needs --trust-remote-code unless they are the suite's own twin byte for byte (the bundled checkpoints, and those
+tools/make_ckpt.py writes). --runtime native runs transformers' built-in bailing_hybrid and no checkpoint code.
+Bad options are one line and exit status 2; nothing is written under --out unless the dump completes.
+"""
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from parity.errors import ParityError
+from parity.points import parse_layers
 
 
-def parse_layers(text: str | None) -> list[int] | None:
-    """"0-3,7" -> [0, 1, 2, 3, 7]."""
-    if not text:
-        return None
-    out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit status 2), like every other refusal of this tool."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog.removesuffix('.py')}: error: {message} (see --help)\n")
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
         try:
-            if "-" in part:
-                a, b = part.split("-", 1)
-                out += list(range(int(a), int(b) + 1))
-            else:
-                out.append(int(part))
+            v = int(text)
         except ValueError:
-            raise ParityError(f"--layers {text!r}: expected comma-separated layer numbers or ranges like 0-3,7") from None
-    return out
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {lo}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{v}: expected an integer >= {lo}")
+        return v
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def check_sites(patterns: list[str], cfg, layers: list[int]) -> None:
+    """Every --sites pattern must match a canonical site of the dumped layers (or a model-level site)."""
+    from parity.points import MODEL_SITES_AFTER, MODEL_SITES_BEFORE, sites_for_config
+
+    universe = list(MODEL_SITES_BEFORE + MODEL_SITES_AFTER)
+    for i in layers:
+        universe += [s for s in sites_for_config(cfg, i, recorded_inputs=True) if s not in universe]
+    for p in patterns:
+        if not p:
+            raise ParityError("--sites: an empty pattern; expected comma-separated glob patterns such as "
+                              "'attention.*,mlp'")
+        if not any(fnmatch.fnmatchcase(s, p) for s in universe):
+            raise ParityError(f"--sites: pattern {p!r} matches no site of the dumped layers; expected glob patterns "
+                              f"over the canonical site names ({', '.join(universe[:6])}, ... see parity/points.py)")
 
 
 def parse_ids(text: str) -> list[int]:
@@ -37,13 +64,19 @@ def parse_ids(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dump_hf.py", description=__doc__)
+    p = _Parser(prog="dump_hf.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ckpt", help="checkpoint directory (config.json + safetensors, remote code for --runtime remote)")
     p.add_argument("--out", required=True, help="output HDF5 file (never overwritten without --force)")
     p.add_argument("--runtime", choices=["remote", "native"], default="remote",
-                   help="remote: trust_remote_code (official file or the twin); native: transformers' built-in "
-                        "bailing_hybrid, Flash-shaped only — checkpoints with q-LoRA (q_lora_rank set) or SwiGLU clamp "
-                        "limits are refused before loading; it has no MTP layer")
+                   help="remote: the checkpoint's own code (official file or the twin, see --trust-remote-code); "
+                        "native: transformers' built-in bailing_hybrid (no checkpoint code), Flash-shaped only — "
+                        "checkpoints with q-LoRA (q_lora_rank set) or SwiGLU clamp limits are refused before loading; "
+                        "it has no MTP layer")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the checkpoint's own Python files (config.json auto_map: for a real checkpoint the "
+                        "official modeling_bailing_moe_v3.py and configuration_bailing_moe_v3.py, and any other .py "
+                        "file in the directory) in this process; required by --runtime remote unless they are the "
+                        "suite's twin byte for byte (bundled dumps/ckpt/*, tools/make_ckpt.py output)")
     p.add_argument("--cpu-kernels", dest="cpu_kernels", action="store_true", default=None,
                    help="run the remote code through the suite's pure-PyTorch fla stand-ins (default on CPU)")
     p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false")
@@ -56,9 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--builtin-prompt", choices=["long", "short"],
                      help="long (default): 320 position-sensitive tokens of the checkpoint's tokenizer (five 64-token "
                           "KDA chunks); short: 40 built-in ids (<= 64: the recurrent KDA path)")
-    src.add_argument("--prompt-len", type=int,
+    src.add_argument("--prompt-len", type=_int_at_least(1),
                      help="built-in deterministic ids of this length (recurring motif, seed --seed) instead")
-    p.add_argument("--decode-steps", type=int, default=4)
+    p.add_argument("--decode-steps", type=_int_at_least(0), default=4)
     p.add_argument("--continuation", help="teacher-forced decode ids (comma-separated) instead of greedy")
     p.add_argument("--layers", help="layers to dump, e.g. 0-3,7 (default all)")
     p.add_argument("--sites", help="site glob patterns, comma-separated, e.g. 'attention.*,mlp' (default all)")
@@ -84,7 +117,7 @@ def collect_ids(args, ckpt: Path, vocab_size: int) -> list[list[int]]:
         except OSError as e:
             raise ParityError(f"--prompt-file {args.prompt_file}: cannot read ({e.strerror})") from None
     seqs: list[list[int]] = [parse_ids(s) for s in (args.ids or [])]
-    if args.prompt_len:
+    if args.prompt_len is not None:
         seqs.append(builtin_ids(vocab_size, args.prompt_len, seed=args.seed).tolist()[0])
     builtin = args.builtin_prompt or (None if (texts or seqs) else "long")
     tokenizer = None
@@ -92,7 +125,7 @@ def collect_ids(args, ckpt: Path, vocab_size: int) -> list[list[int]]:
         try:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
+            tokenizer = AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=bool(args.trust_remote_code))
         except Exception as e:  # no tokenizer files in the checkpoint
             if texts:
                 raise ParityError(f"{ckpt}: cannot load a tokenizer for --prompt ({type(e).__name__}); use --ids") from None
@@ -114,35 +147,70 @@ def collect_ids(args, ckpt: Path, vocab_size: int) -> list[list[int]]:
     return seqs
 
 
+def check_remote_code(args, ckpt: Path) -> None:
+    """--runtime remote runs the checkpoint's code: only with --trust-remote-code, or when it is the suite's twin."""
+    from parity.torch_ref.remote_code import describe_code, twin_mismatch
+
+    if args.runtime != "remote" or args.trust_remote_code:
+        return
+    why = twin_mismatch(ckpt)
+    if why:
+        raise ParityError(f"{ckpt}: --runtime remote would run the checkpoint's own Python code "
+                          f"({describe_code(ckpt)}; {why}); pass --trust-remote-code if you trust it, or use "
+                          "--runtime native (transformers' built-in bailing_hybrid, no checkpoint code)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         from parity.config import Ling3Config
-        from parity.torch_ref.dump import DumpOptions, dump_checkpoint
+        from parity.dumpfile import check_output_path, clean_stale_temp_files
 
+        # everything that can be refused is refused before the model loads (seconds to minutes)
+        out = check_output_path(args.out, force=args.force)
         ckpt = Path(args.ckpt)
         cfg = Ling3Config.from_pretrained_dir(ckpt, strict=False)
+        layers = parse_layers(args.layers)
+        bad = [i for i in layers or () if i >= cfg.num_hidden_layers]
+        if bad:
+            raise ParityError(f"--layers {args.layers!r}: layer(s) {bad} out of range; the model has layers "
+                              f"0..{cfg.num_hidden_layers - 1}")
+        sites = [s.strip() for s in args.sites.split(",")] if args.sites is not None else None
+        if sites is not None:
+            check_sites(sites, cfg, layers if layers is not None else list(range(cfg.num_hidden_layers)))
+        check_remote_code(args, ckpt)
+        if args.no_progress:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # transformers' own "Loading weights" bar too
         if args.runtime == "native":
             from parity.torch_ref.dump import check_native_supports
 
             check_native_supports(cfg, ckpt)  # before tokenizing or loading anything
         seqs = collect_ids(args, ckpt, cfg.vocab_size)
+        for note in clean_stale_temp_files(out):
+            print(f"dump_hf: note: {note}", file=sys.stderr)
+
+        from parity.torch_ref.dump import DumpOptions, dump_checkpoint
+
         opts = DumpOptions(
             runtime=args.runtime, cpu_kernels=args.cpu_kernels, device=args.device,
             dtype={"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype),
-            layers=parse_layers(args.layers),
-            sites=[s.strip() for s in args.sites.split(",")] if args.sites else None,
+            layers=layers, sites=sites,
             decode_steps=args.decode_steps,
             continuation_ids=parse_ids(args.continuation) if args.continuation else None,
             stats_only=args.stats_only, cache_snapshots=not args.no_cache_snapshots, force=args.force,
             write_thread={"auto": None, "on": True, "off": False}[args.write_thread], compression=args.compression,
-            seed=args.seed, progress=not args.no_progress,
+            seed=args.seed, progress=not args.no_progress, trust_remote_code=args.trust_remote_code,
         )
-        summary = dump_checkpoint(ckpt, args.out, seqs, opts,
+        summary = dump_checkpoint(ckpt, out, seqs, opts,
                                   extra_meta={"command": "dump_hf.py " + " ".join(argv or sys.argv[1:])})
     except ParityError as e:
         print(f"dump_hf: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the writer removed its temporary file on the way out
+        print(f"dump_hf: interrupted; nothing was written under {args.out}", file=sys.stderr)
+        return 130
     print(f"wrote {summary.path} ({summary.bytes / 1e6:.2f} MB, {summary.points} points; "
           f"load {summary.seconds_load:.1f}s, forward+capture {summary.seconds_forward:.1f}s)")
     if summary.unavailable:

@@ -2,13 +2,16 @@
 
 Modules: `spec` (hashable statics from a Ling3Config), `weights` (HF -> JAX mapping, lazy per-layer reader),
 `norms`, `rope`, `kda`, `mla`, `moe` (router, experts, dense MLP), `layer` (decoder layer), `model` (embedding,
-head, whole-model prefill/decode), `sharding` (device mesh helpers), `target` (the DESIGN §7 target protocol).
+head, whole-model prefill/decode), `sharding` (device mesh helpers), `ops` (small shared ops in the reference
+precision), `testing` (comparison helpers of the tests). The DESIGN §7 target over this package is
+`parity.targets.reference`.
 
 Every numerical function is pure: `(params, inputs, statics) -> (output, points)` (stateful ones also return their new
 state), where `points` maps canonical site names (`parity.points`) to arrays in canonical shapes.
 
-Importing this package turns on JAX's persistent compilation cache (jit compile time dominates layer replay):
-directory `$LING3_JAX_CACHE`, else `$XDG_CACHE_HOME/ling3-parity/jax` (default `~/.cache/...`); set
+Every jitted function here is compiled with `REFERENCE_COMPILER_OPTIONS` (the reference's own XLA options, set
+per computation, not process-wide). Importing this package turns on JAX's persistent compilation cache (jit compile
+time dominates layer replay): directory `$LING3_JAX_CACHE`, else `$XDG_CACHE_HOME/ling3-parity/jax` (default `~/.cache/...`); set
 `LING3_JAX_CACHE=off` to disable.
 """
 
@@ -18,18 +21,30 @@ import os
 from pathlib import Path
 
 
-def _mirror_torch_bf16_rounding() -> None:
+def _reference_compiler_options() -> dict:
     """Keep every bf16 rounding the code asks for. XLA's default `xla_allow_excess_precision=true` drops
     f32→bf16→f32 round trips (e.g. the KDA core cast to bf16 before o_norm, `silu(g)·u` before down_proj), so the
     JAX reference would skip roundings torch does: measured on the bundled tiny-flash bf16 dump, layer 1 o_norm
     differed by up to 0.33 (a near-zero head row amplified by the norm) with it on, by 1 bf16 ULP with it off.
-    XLA reads XLA_FLAGS when its backend starts, so this must run before the first computation."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_allow_excess_precision" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_allow_excess_precision=false").strip()
+
+    Applied per computation (`jax.jit(..., compiler_options=...)`, jax >= 0.4.36) to the suite's own jitted
+    functions only — never through the process-wide XLA_FLAGS — so a port replayed in the same process runs under
+    its production flags (DESIGN §7). `LING3_REFERENCE_XLA_DEFAULTS=1` drops it (to measure the reference under
+    XLA's defaults)."""
+    if os.environ.get("LING3_REFERENCE_XLA_DEFAULTS", "").strip() in ("1", "true", "yes"):
+        return {}
+    return {"xla_allow_excess_precision": False, **_MEMORY_LEAN_CPU_SCHEDULE}
 
 
-_mirror_torch_bf16_rounding()
+# XLA:CPU's default (concurrency-optimised) scheduler starts every weight's fp32 upcast early, so all of a layer's
+# fp32 weight copies are live at once; the memory-optimised one converts each just before its product. Ling3-Tiny,
+# `compiled.memory_analysis()` temporaries: KDA+dense 193 -> 68 MB at T=128, KDA+MoE 156 -> 93 MB and MLA+MoE
+# 89 -> 56 MB at T=512; the same bits (scheduling only); not slower (KDA+dense T=512 on one core: 1.29 vs 1.42 s).
+# A CPU option (other backends ignore it); per computation like the flag above (issue 17, README "Performance").
+_MEMORY_LEAN_CPU_SCHEDULE = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
+REFERENCE_COMPILER_OPTIONS = _reference_compiler_options()
 
 import jax  # noqa: E402
 

@@ -7,6 +7,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from parity.jax_ling3 import REFERENCE_COMPILER_OPTIONS
 from parity.jax_ling3.kda import kda_attention
 from parity.jax_ling3.mla import mla_attention
 from parity.jax_ling3.moe import dense_mlp, moe_block
@@ -46,4 +47,4 @@ def decoder_layer(p: dict, h: jnp.ndarray, positions: jnp.ndarray, spec: LayerSp
 
 
 # One compiled function per (LayerSpec, shapes, state structure): every layer of the same kind shares it.
-decoder_layer_jit = jax.jit(decoder_layer, static_argnames=("spec",))
+decoder_layer_jit = jax.jit(decoder_layer, static_argnames=("spec",), compiler_options=REFERENCE_COMPILER_OPTIONS)

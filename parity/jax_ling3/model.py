@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from parity.config import Ling3Config
+from parity.jax_ling3 import REFERENCE_COMPILER_OPTIONS
 from parity.jax_ling3.layer import decoder_layer_jit
 from parity.jax_ling3.mla import init_mla_cache
 from parity.jax_ling3.norms import rms_norm
@@ -31,8 +32,8 @@ def head(final_norm_w: jnp.ndarray, lm_head: jnp.ndarray, h: jnp.ndarray, eps: f
     return {"final_norm": x, "logits": linear(x, lm_head).astype(F32)}
 
 
-embed_jit = jax.jit(embed)
-head_jit = jax.jit(head, static_argnames=("eps",))
+embed_jit = jax.jit(embed, compiler_options=REFERENCE_COMPILER_OPTIONS)
+head_jit = jax.jit(head, static_argnames=("eps",), compiler_options=REFERENCE_COMPILER_OPTIONS)
 
 
 def to_device(tree, sharding_fn: Callable | None = None):

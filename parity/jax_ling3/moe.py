@@ -95,11 +95,15 @@ def routed_experts_dense(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarr
 
 
 def block_rows(n_assign: int, n_experts: int) -> int:
-    """Static row-block size of the blocked path: the power of two nearest the mean rows per expert, in [8, 128].
-    Each used expert wastes < 1 block of padding, so bigger blocks give bigger GEMMs but more wasted rows."""
+    """Static row-block size of the blocked path: the power of two nearest the mean rows per expert, in [8, 32].
+    Each used expert wastes < 1 block of padding, so bigger blocks give bigger GEMMs but more wasted rows. The cap: for
+    GEMMs of up to 32 rows XLA:CPU (its YNNPACK dot, jax 0.10) gives every row the same bits whatever the row count
+    (measured at Ling3-Tiny shapes for 8, 16, 24, 32 rows; 64 and 128 rows change 120 of 786k outputs by a bf16 ULP),
+    so a row's result does not depend on how many rows its expert got, i.e. on T; speed is the same within noise
+    (T=2048: 128-row blocks waste ~50 % rows to padding, 32-row blocks ~12 %)."""
     mean = max(1.0, n_assign / n_experts)
     b = 1 << max(0, round(math.log2(mean)))
-    return int(min(128, max(8, b)))
+    return int(min(32, max(8, b)))
 
 
 def routed_experts_blocked(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, limit: float | None,
@@ -111,7 +115,12 @@ def routed_experts_blocked(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.nda
     expert's weights once and runs its blocks, [Bs, D] x [D, I] GEMMs written at their sorted rows. The last block
     of an expert spills onto the next expert's first rows; experts run in ascending order, so the next expert's own
     blocks overwrite them (the buffer has Bs spare rows for the last one). Rows are then put back
-    in (token, slot) order and summed with the fp32 weights in fp32, cast once."""
+    in (token, slot) order and summed with the fp32 weights in fp32, cast once.
+
+    The row buffer is fp32 and receives each block's outputs already rounded to the activation dtype (so it holds
+    exactly the dt values): XLA:CPU has no bf16 dynamic-update-slice, so a bf16 buffer was converted to fp32 and
+    back in full on every block (3.3 ms per block, a third of the loop at Ling3-Tiny T=512, jax.profiler trace).
+    tests/test_jax_moe_fast.py checks the compiled loop for that."""
     dt = x.dtype
     N, D = x.shape
     k = idx.shape[-1]
@@ -137,17 +146,17 @@ def routed_experts_blocked(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.nda
             g = matmul_f32(xb, wg).astype(dt)
             u = matmul_f32(xb, wu).astype(dt)
             y = matmul_f32(up(swiglu(g, u, limit)), wd).astype(dt)
-            return jax.lax.dynamic_update_slice_in_dim(buf, y, r0, axis=0)
+            return jax.lax.dynamic_update_slice_in_dim(buf, y.astype(F32), r0, axis=0)
 
         return jax.lax.fori_loop(0, (counts[e] + Bs - 1) // Bs, block_body, buf)
 
     def maybe_expert(e, buf):
         return jax.lax.cond(counts[e] > 0, expert_body, lambda e, buf: buf, e, buf)
 
-    ys = jax.lax.fori_loop(0, E, maybe_expert, jnp.zeros((A + Bs, D), dt))
+    ys = jax.lax.fori_loop(0, E, maybe_expert, jnp.zeros((A + Bs, D), F32))
     inv = jnp.argsort(order)  # assignment -> sorted row
-    y = ys[inv].reshape(N, k, D)
-    return jnp.einsum("nkd,nk->nd", y.astype(F32), w.astype(F32), precision=HI).astype(dt)
+    y = ys[inv].reshape(N, k, D)  # fp32 holding dt values
+    return jnp.einsum("nkd,nk->nd", y, w.astype(F32), precision=HI).astype(dt)
 
 
 def _upcast_cpu(a: jnp.ndarray) -> jnp.ndarray:

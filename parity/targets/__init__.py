@@ -12,14 +12,20 @@ import importlib
 from parity.errors import TargetError
 from parity.targets.base import CAPABILITIES, LayerResult, Target
 
-BUILTIN = {"reference": "parity.targets.reference:ReferenceTarget"}
+BUILTIN = {
+    "reference": "parity.targets.reference:ReferenceTarget",
+    # a flax-nnx Ling3 shaped like a serving port, read through taps (protocol v2 in CI without an external port)
+    "portlike": "parity.targets.portlike:PortlikeTarget",
+    # sglang-jax's bailing_moe_v3 (pull request #1394), when installed
+    "sglang_jax": "parity.targets.sglang_jax:SglangJaxTarget",
+}
 
 
 def resolve(name: str) -> type[Target]:
     """Import a target class; TargetError with the reason when it cannot be used here."""
     spec = BUILTIN.get(name, name)
     if ":" not in spec:
-        raise TargetError(f"--parity-target {name!r}: expected 'reference' or 'package.module:ClassName'")
+        raise TargetError(f"--parity-target {name!r}: expected one of {sorted(BUILTIN)} or 'package.module:ClassName'")
     mod_name, cls_name = spec.split(":", 1)
     try:
         mod = importlib.import_module(mod_name)

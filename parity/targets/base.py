@@ -36,11 +36,18 @@ class LayerResult:
     output: np.ndarray
     points: dict[str, np.ndarray] = field(default_factory=dict)
     state: Any = None
+    # protocol v2 (optional): declared transforms of points computed in another form (`parity.targets.taps`), whose
+    # reference side the replay applies before comparing; and why a site the target taps did not fire this call.
+    transforms: dict[str, Any] = field(default_factory=dict)
+    missing: dict[str, str] = field(default_factory=dict)
 
 
 class Target(abc.ABC):
     name: str = "abstract"
     capabilities: frozenset[str] = frozenset()
+    # protocol v2: a port whose loader reads a checkpoint directory sets this; the replay then calls
+    # `use_checkpoint_dir` after `build` (and still passes HF tensors to `load_layer`, which it may ignore).
+    needs_checkpoint_dir: bool = False
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -85,12 +92,40 @@ class Target(abc.ABC):
         this site in isolation (the replay then records it as skipped, with this target's name in the reason).
 
         `inputs` maps canonical site names to the dumped tensors of the same phase/step, in the dump's dtypes, as
-        listed per site by `parity.isolated.feeds(kind, moe, q_lora, site)` — e.g. `attention.o_proj` gets
+        listed per site by the site graph (`parity.points.SITE_GRAPH`, `Site.inputs`) — e.g. `attention.o_proj` gets
         {"attention.o_norm"}, `attention.core` (KDA) gets the q/k/v conv outputs, `attention.gate`,
-        `attention.beta`; MLA `attention.core` additionally gets "positions" (int [T], absolute RoPE positions of
+        `attention.beta`, `attention.state` the same without q (the state update reads none); MLA `attention.core` gets
+        its q, `kv_b_proj`, `kv_a_proj_with_mqa` and "positions" (int [T], absolute RoPE positions of
         these tokens). Sites needing the routing get the dumped "mlp.gate.topk_idx" / "mlp.gate.topk_weight".
         `state` (decode steps only, None at prefill) holds dumped tensors of *earlier* steps of this layer:
         KDA {"attention.conv_state": [3,B,P,W], "attention.state": [B,H,K,V]} of the previous step; MLA
         {"attention.kv_b_proj": [B,S,·], "attention.kv_a_proj_with_mqa": [B,S,·]} of all S earlier tokens
         (positions 0..S-1). The default implementation supports no site."""
         return None
+
+    # ------------------------------------------------------------------ protocol v2 (optional, with defaults)
+    def use_checkpoint_dir(self, path, layers: list[int] | None = None) -> None:
+        """The checkpoint directory the dump was made from (config.json + safetensors, HF names) and the layers the
+        replay will visit (None: all). For ports that load from disk; `parity.targets.ckptdir.layer_checkpoint`
+        writes a trimmed copy when a port's loader cannot read the original (e.g. it rejects `auto_map`)."""
+
+    def describe(self) -> dict:
+        """What actually ran, for the report header: backends, kernels, interpret modes, XLA flags, versions. The
+        default says what every JAX target shares; adapters add their own keys (`parity.targets.describe_jax`)."""
+        return describe_jax(self.name)
+
+
+def describe_jax(name: str, **extra) -> dict:
+    """The JAX side of a report header: target name, jax/jaxlib versions, backend and devices, process XLA_FLAGS."""
+    import os
+
+    out: dict = {"target": name, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+    try:
+        import jax
+
+        out.update(jax=jax.__version__, backend=jax.default_backend(),
+                   devices=[str(d) for d in jax.devices()][:8])
+    except Exception as e:  # a describe() must never fail a replay
+        out["jax"] = f"unavailable ({e})"
+    out.update(extra)
+    return out

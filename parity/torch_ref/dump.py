@@ -24,7 +24,7 @@ import torch
 from parity.config import Ling3Config
 from parity.errors import ParityError
 from parity.mtp_points import mtp_group
-from parity.points import Point, sites_for_config
+from parity.points import Point
 from parity.torch_ref.capture import Capture, runtime_map_name, to_numpy
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -50,6 +50,8 @@ class DumpOptions:
     # the forward already keeps every core busy, and the thread measured no gain (README "Performance").
     write_thread: bool | None = None
     compression: str = "lzf"  # dumpfile.COMPRESSIONS: "lzf" (default) or "none" (cheaper writes, ~15 % bigger)
+    # runtime "remote" runs the checkpoint's own Python files only if True, or if they are the suite's twin
+    trust_remote_code: bool = False
     # MTP layers (group MTP{j}, parity.mtp_points): None = captured when every main layer is dumped (no --layers)
     mtp: bool | None = None
     semantics_probe: bool = True  # probe the semantic forks (parity.torch_ref.semantics) into the `semantics` attr
@@ -364,15 +366,14 @@ def dump_checkpoint(
     extra_meta: dict | None = None,
 ) -> DumpSummary:
     """Dump prefill over `input_ids` ([B,T], equal lengths) + `opts.decode_steps` decode steps into `out_path`."""
-    from parity.dumpfile import DumpWriter, fingerprint_checkpoint
+    from parity.dumpfile import DumpWriter, check_output_path, fingerprint_checkpoint
     from parity.torch_ref.loader import load_model
 
     opts = opts or DumpOptions()
     ids = check_batch(input_ids)
     ckpt_dir = Path(ckpt_dir)
     out_path = Path(out_path)
-    if out_path.exists() and not opts.force:
-        raise ParityError(f"{out_path}: a dump already exists; pass --force to replace it (it is never overwritten silently)")
+    check_output_path(out_path, force=opts.force)
     if opts.dtype not in DTYPES:
         raise ParityError(f"--dtype {opts.dtype!r}: expected one of bf16, fp32")
     if opts.continuation_ids is not None and len(opts.continuation_ids) < opts.decode_steps:
@@ -391,7 +392,8 @@ def dump_checkpoint(
     t0 = time.perf_counter()
     cpu_kernels = opts.cpu_kernels if opts.cpu_kernels is not None else opts.device == "cpu"
     loaded = load_model(ckpt_dir, opts.runtime, dtype=DTYPES[opts.dtype], device=opts.device,
-                        cpu_kernels=cpu_kernels and opts.runtime == "remote")
+                        cpu_kernels=cpu_kernels and opts.runtime == "remote",
+                        trust_remote_code=opts.trust_remote_code)
     try:
         model = loaded.model
         model.eval()
@@ -624,13 +626,3 @@ def _count_layers(model, cfg, layers, progress, cap: Capture) -> None:
 
                 cap.handles.append(mods[name].register_forward_hook(tick))
                 break
-
-
-def expected_points(cfg: Ling3Config, layers: Sequence[int], decode_steps: int) -> list[Point]:
-    """Every canonical point a full dump of these layers holds (before runtime unavailability)."""
-    out = []
-    for phase, step in [("prefill", 0)] + [("decode", k) for k in range(1, decode_steps + 1)]:
-        out += [Point(phase, step, None, s) for s in ("embed", "final_norm", "logits")]
-        for i in layers:
-            out += [Point(phase, step, i, s) for s in sites_for_config(cfg, i)]
-    return out

@@ -1,0 +1,59 @@
+"""One replay pipeline for every entry point (DESIGN §2, §6): the pytest plugin, `run_replay`, calibration, bench.
+
+    Session (session.py)      dump, checkpoint, target, rules, mode — opened and validated once
+      -> strategies.py        layer / forced / free / isolated walks yield `Observation`s (point, ref, test, context)
+      -> judge.py, routing.py numerics + tolerance rules + routing analysis -> typed `PointRecord`s (`Status`)
+      -> consumers            report.json (`PointRecord.to_json`), the pytest face, calibration (observations)
+
+`run_replay(dump, ckpt, mode=...)` replays a whole dump and returns the report dict.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from parity.replay.judge import judge, judge_point, judge_step
+from parity.replay.records import Observation, PointRecord, Status
+from parity.replay.session import MODES, ModeError, Session, check_mode, dump_steps, find_checkpoint, target_info
+from parity.replay.strategies import (observe, observe_free, observe_isolated, observe_layer,
+                                      observe_model_points)
+
+
+def replay_records(session: Session, layers=None, progress: Callable[[str], None] | None = None
+                   ) -> Iterator[PointRecord]:
+    """Every record of a whole replay in the session's mode: the given layers (default: all the dump holds) and the
+    model-level points (free mode: the whole model from token ids)."""
+    if session.mode == "free":
+        yield from judge(session, observe_free(session, progress))
+        return
+    held = set(session.layers())
+    for i in range(session.config.num_hidden_layers) if layers is None else layers:
+        if i in held:
+            yield from judge(session, observe(session, i))
+            if progress:
+                progress(f"layer {i}")
+    yield from judge(session, observe_model_points(session))
+
+
+def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", rules=None,
+               layers=None, progress: Callable[[str], None] | None = None, mesh=None) -> dict:
+    """Programmatic replay of a whole dump: returns the report dict (`parity.report.build_report`).
+
+    ckpt_dir defaults to the bundled checkpoint with the dump's fingerprint; target defaults to the reference target
+    (a name, class or built instance); rules to the default tolerance table; mesh (a jax Mesh or a `--parity-mesh`
+    string such as "4x2") is handed to the target's build. `pytest parity` does the same thing point by point.
+    """
+    from parity.report import build_report
+
+    with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=rules, mesh=mesh,
+                      layers=None if layers is None else list(layers)) as s:
+        records = [r.to_json() for r in replay_records(s, layers, progress)]
+        rep = build_report(s.config, records, dump=str(dump_path), target=getattr(s.target, "name", "?"),
+                           mode=mode)
+        rep["target_info"] = target_info(s.target)  # protocol v2: what actually ran
+        return rep
+
+
+__all__ = ["MODES", "ModeError", "Observation", "PointRecord", "Session", "Status", "check_mode", "dump_steps",
+           "find_checkpoint", "judge", "judge_point", "judge_step", "observe", "observe_free", "observe_isolated",
+           "observe_layer", "observe_model_points", "replay_records", "run_replay"]

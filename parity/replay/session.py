@@ -1,0 +1,170 @@
+"""A replay session: the dump, the checkpoint it was made from, the target, the tolerance rules and the mode —
+built once and validated up front, so a mode the target cannot run is one clear error before anything replays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from parity.errors import DumpError, ParityError, TargetError
+from parity.points import Point
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bundled_dir() -> Path:
+    """The bundled dumps: `dumps/` of this checkout, else where a non-editable install put them
+    (<prefix>/share/ling3-parity/dumps, pyproject `data-files`)."""
+    import sys
+
+    here = ROOT / "dumps"
+    if here.is_dir():
+        return here
+    for prefix in (sys.prefix, sys.base_prefix):
+        p = Path(prefix) / "share" / "ling3-parity" / "dumps"
+        if p.is_dir():
+            return p
+    return here
+
+
+BUNDLED_DUMPS = _bundled_dir()
+BUNDLED_CKPTS = BUNDLED_DUMPS / "ckpt"
+
+MODES = ("layer", "free", "forced", "isolated")
+# Capability a mode needs from the target (DESIGN §7: capabilities decide what can run).
+MODE_NEEDS = {"forced": "forced_routing", "isolated": "isolated"}
+
+
+class ModeError(ParityError):
+    """A replay mode the target cannot run (or an unknown mode)."""
+
+
+def find_checkpoint(fingerprint: str, explicit: str | Path | None = None) -> Path:
+    """The checkpoint a dump was made from: `explicit`, else the bundled one with the same fingerprint."""
+    from parity.dumpfile import fingerprint_checkpoint
+
+    if explicit:
+        return Path(explicit)
+    seen = []
+    for d in sorted(BUNDLED_CKPTS.iterdir()) if BUNDLED_CKPTS.is_dir() else []:
+        if (d / "config.json").is_file():
+            fp = fingerprint_checkpoint(d)
+            seen.append(f"{d.name}={fp[:12]}")
+            if fp == fingerprint:
+                return d
+    raise DumpError(f"no checkpoint with fingerprint {fingerprint[:12]}… among {BUNDLED_CKPTS} ({', '.join(seen)}); "
+                    "pass --parity-ckpt DIR")
+
+
+def dump_steps(dump) -> list[tuple[str, int]]:
+    """The (phase, step) pairs a dump holds, in execution order: prefill, then decode steps 1, 2, ..."""
+    out = [("prefill", 0)] if "prefill" in dump.phases() else []
+    if "decode" in dump.phases():
+        out += [("decode", k) for k in sorted(dump.steps("decode"))]
+    return out
+
+
+def check_mode(mode: str, target) -> None:
+    """ModeError (one line) unless `target` can run replay mode `mode`."""
+    if mode not in MODES:
+        raise ModeError(f"replay mode {mode!r}: expected one of {', '.join(MODES)}")
+    need = MODE_NEEDS.get(mode)
+    if need and need not in getattr(target, "capabilities", ()):
+        raise ModeError(f"replay mode {mode!r} needs target capability {need!r}, which target "
+                        f"{getattr(target, 'name', type(target).__name__)!r} does not declare")
+
+
+@dataclass
+class Session:
+    """Everything a replay needs, opened and checked once. `dump` is a `parity.dumpfile.DumpReader`, `ckpt` a
+    `parity.jax_ling3.weights.CheckpointReader` (anything with `.hf_tensors(i)` / `.hf_global_tensors()`), `target`
+    a built `parity.targets.base.Target`, `rules` a `parity.numerics.tolerances.RulesTable`."""
+
+    dump: Any
+    ckpt: Any
+    target: Any
+    rules: Any
+    mode: str = "layer"
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        check_mode(self.mode, self.target)
+
+    @classmethod
+    def open(cls, dump, ckpt_dir: str | Path | None = None, *, target=None, mode: str = "layer", rules=None,
+             mesh=None, layers: list[int] | None = None) -> "Session":
+        """Open a dump (path or DumpReader), find its checkpoint, resolve and build the target ('reference' by
+        default; a name as `--parity-target` takes, a Target class or instance), with the default rules unless
+        given. `mesh`: a jax Mesh or a `--parity-mesh` spec such as "4x2". The session owns a dump it opened.
+        A target that loads from disk (`needs_checkpoint_dir`, protocol v2) is given the checkpoint directory and the
+        `layers` the replay will visit (None: all)."""
+        from parity.dumpfile import DumpReader
+        from parity.jax_ling3.weights import CheckpointReader
+        from parity.numerics.tolerances import default_rules
+
+        owned = not isinstance(dump, DumpReader)
+        reader = DumpReader(dump) if owned else dump
+        try:
+            tgt = _target(target)
+            check_mode(mode, tgt)  # before building: a mode error costs nothing
+            ckpt_path = find_checkpoint(reader.fingerprint, ckpt_dir)
+            ckpt = CheckpointReader(ckpt_path)
+            dtype = reader.meta.get("compute_dtype", "bfloat16")
+            if isinstance(mesh, str):
+                from parity.jax_ling3.sharding import mesh_from_spec
+
+                mesh = mesh_from_spec(mesh)
+            tgt.build(reader.config, dtype, **({"mesh": mesh} if mesh is not None else {}))
+            if getattr(tgt, "needs_checkpoint_dir", False):
+                tgt.use_checkpoint_dir(ckpt_path, layers)
+            s = cls(dump=reader, ckpt=ckpt, target=tgt, rules=rules or default_rules(), mode=mode, dtype=dtype)
+        except BaseException:
+            if owned:
+                reader.close()
+            raise
+        s._owned = owned
+        return s
+
+    @property
+    def config(self):
+        return self.dump.config
+
+    def steps(self) -> list[tuple[str, int]]:
+        return dump_steps(self.dump)
+
+    def layers(self) -> list[int]:
+        """Layers the dump holds (by their prefill input)."""
+        return [i for i in range(self.config.num_hidden_layers) if self.dump.has(Point("prefill", 0, i, "input"))]
+
+    def close(self) -> None:
+        if getattr(self, "_owned", False):
+            self.dump.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _target(target):
+    from parity.targets import resolve
+
+    if target is None:
+        target = "reference"
+    if isinstance(target, str):
+        target = resolve(target)
+    if isinstance(target, type):
+        target = target()
+    if not hasattr(target, "layer_forward"):
+        raise TargetError(f"target {target!r} is not a parity.targets.base.Target")
+    return target
+
+
+def target_info(target) -> dict:
+    """`target.describe()` for the report header (protocol v2); a failing describe() is said, never loses the report."""
+    try:
+        return target.describe()
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"describe() failed: {e}"}

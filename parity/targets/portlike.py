@@ -1,0 +1,511 @@
+"""`portlike`: a small flax-nnx Ling3 written the way serving ports are, as a target that exercises taps, declared
+transforms and protocol v2 in CI without any external port installed (DESIGN §7).
+
+It is shaped like sglang-jax's `bailing_moe_v3.py`, not like the suite's own model: its own module tree and names
+(`ln_in`, `mixer.wq`, `ffn.router`, …), projections that return `(y, bias)` tuples, a **packed** token batch with
+`cu_seqlens`, a recurrent-state **pool** and a paged latent KV **pool** with slot / location 0 reserved, a router
+that returns **sigmoid scores** (not logits), and a load path that reads the checkpoint directory itself. None of
+its intermediate values is returned: the target reads them through a `TapSet` (`TAPS` below), exactly as an adapter
+for a real port does. The maths is delegated to the pure functions of `parity.jax_ling3` (same formulas, same fp32
+upcasts), so the bundled dumps pass through it; `variant=` breaks one sub-module on purpose, so the suite can be
+shown to place a divergence at the right site:
+
+- `softplus_gate`: the KDA decay uses the Kimi softplus form instead of Ling3's lower-bound form (facts §3.5) —
+  must first fail at `attention.gate`;
+- `unbiased_routing`: the router picks experts without `expert_bias` (facts §5.2) — must first fail at
+  `mlp.gate.topk_idx`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from parity.targets.base import LayerResult, Target, describe_jax
+from parity.targets.serving import PackedBatch, canonical_topk, to_canonical
+from parity.targets.taps import ROUTER_SCORES, Tap, TapSet, Transform
+
+VARIANTS = ("ok", "softplus_gate", "unbiased_routing")
+DECODE_ROOM = 128  # KV-pool room per sequence beyond the prompt (the dump's decode steps must fit)
+# This port's production XLA options: it mirrors torch's bf16 roundings like the reference does (see
+# parity.jax_ling3.REFERENCE_COMPILER_OPTIONS), and says so in describe().
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
+
+# ------------------------------------------------------------------------------------------ module-level functions
+# Plain functions a port calls (tapped by function path, like sglang-jax's kernels).
+def packed_conv(x, w, caches, cu: tuple[int, ...]):
+    """Causal depthwise conv + SiLU over packed tokens x [N,P], one history per sequence caches [B,P,W]."""
+    import jax.numpy as jnp
+
+    from parity.jax_ling3.kda import short_conv
+
+    ys, new = [], []
+    for b in range(len(cu) - 1):
+        y, c = short_conv(x[None, cu[b]:cu[b + 1]], w, caches[b:b + 1])
+        ys.append(y[0])
+        new.append(c[0])
+    return jnp.concatenate(ys), jnp.stack(new)
+
+
+def decay_gate(a, A_log, dt_bias, lower_bound, variant: str = "ok"):
+    """Log-space KDA decay [N,H,d] fp32 (facts §3.5)."""
+    from parity.jax_ling3.kda import kda_gate
+
+    return kda_gate(a, A_log, dt_bias, None if variant == "softplus_gate" else lower_bound)
+
+
+def recurrence(q, k, v, g, beta, S0, cu: tuple[int, ...], scale: float):
+    """Delta-rule recurrence per packed sequence (q/k already L2-normalised): (o [N,H,d], S [B,H,K,V] fp32)."""
+    import jax.numpy as jnp
+
+    from parity.jax_ling3.kda import CHUNK, KERNELS
+
+    os_, Ss = [], []
+    for b in range(len(cu) - 1):
+        s, e = cu[b], cu[b + 1]
+        mode = "recurrent" if e - s <= CHUNK else "chunked"  # as the official code picks (facts §3.10)
+        o, S = KERNELS[mode](q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e], beta[None, s:e], scale,
+                             S0[b:b + 1])
+        os_.append(o[0])
+        Ss.append(S[0])
+    return jnp.concatenate(os_), jnp.stack(Ss)
+
+
+def latent_attention(q_nope, q_rope, kv_pool, rope_pool, w_kv, seq_loc, positions, prefix: int, extend: int,
+                     scale: float, dtype):
+    """Non-absorbed MLA over the paged latent pool: per sequence, gather its latents, expand K/V with kv_b_proj,
+    attend causally (facts §4.4). q_* [N,H,·]; returns [N,H,v]."""
+    import jax.numpy as jnp
+
+    from parity.jax_ling3.mla import _naive
+    from parity.jax_ling3.ops import linear
+
+    B = seq_loc.shape[0]
+    S = prefix + extend
+    c = kv_pool.shape[-1]
+    H, n = q_nope.shape[1], q_nope.shape[2]
+    out = []
+    for b in range(B):
+        loc = seq_loc[b]
+        c_kv = kv_pool[loc][None]  # [1,S,c]
+        k_rope = rope_pool[loc][None]  # [1,S,r]
+        kvh = linear(c_kv, w_kv).reshape(1, S, H, -1)
+        allowed = jnp.arange(S)[None, :] <= (prefix + jnp.arange(extend))[:, None]
+        sl = slice(b * extend, (b + 1) * extend)
+        o = _naive(q_nope[None, sl], q_rope[None, sl], kvh[..., :n], kvh[..., n:], k_rope, allowed, scale, dtype)
+        out.append(o[0])
+    del c, positions
+    return jnp.concatenate(out)
+
+
+def head_gate(gp):
+    """Head-wise MLA gate: sigmoid in fp32, cast to the model dtype (facts §4.6)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.nn.sigmoid(gp.astype(jnp.float32)).astype(gp.dtype)
+
+
+def grouped_topk(scores, bias, top_k: int, n_group: int, topk_group: int, routed_scaling: float,
+                 use_bias: bool = True):
+    """Group-limited top-k on sigmoid scores + bias (facts §5.2–5.4); returns (weights fp32 [N,k], ids [N,k])."""
+    import jax
+    import jax.numpy as jnp
+
+    E = scores.shape[-1]
+    choice = scores + (bias.astype(jnp.float32) if use_bias else 0.0)
+    grouped = choice.reshape(-1, n_group, E // n_group)
+    gscore = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+    keep = jax.lax.top_k(gscore, topk_group)[1]
+    kept = jnp.any(jax.nn.one_hot(keep, n_group, dtype=bool), axis=-2)
+    ids = jax.lax.top_k(jnp.where(kept[..., None], grouped, -jnp.inf).reshape(-1, E), top_k)[1].astype(jnp.int32)
+    w = jnp.take_along_axis(scores, ids, axis=-1)
+    if top_k > 1:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return w * routed_scaling, ids
+
+
+# ------------------------------------------------------------------------------------------ nnx modules
+def _modules():
+    """The nnx classes, built on first use (flax is imported only when the target runs)."""
+    global _M
+    if _M is not None:
+        return _M
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from parity.jax_ling3.moe import routed_experts, router_logits, swiglu
+    from parity.jax_ling3.norms import gated_rms_norm, l2_normalize, rms_norm
+    from parity.jax_ling3.ops import linear
+    from parity.jax_ling3.rope import apply_rope_interleaved, cos_sin
+
+    class Dense(nnx.Module):
+        def __init__(self, w):
+            self.w = nnx.Param(w)
+
+        def __call__(self, x):
+            return linear(x, self.w[...]), None  # port style: (output, bias)
+
+    class Norm(nnx.Module):
+        def __init__(self, scale, eps):
+            self.scale, self.eps = nnx.Param(scale), eps
+
+        def __call__(self, x):
+            return rms_norm(x, self.scale[...], self.eps)
+
+    class GatedNorm(nnx.Module):
+        def __init__(self, w, eps):
+            self.w, self.eps = nnx.Param(w), eps
+
+        def __call__(self, o, gate):
+            return gated_rms_norm(o, gate, self.w[...], self.eps)
+
+    class KDAMixer(nnx.Module):
+        def __init__(self, p, m, variant):
+            self.wq, self.wk, self.wv = Dense(p["q_proj"]), Dense(p["k_proj"]), Dense(p["v_proj"])
+            self.w_forget, self.w_beta, self.w_outgate = Dense(p["f_proj"]), Dense(p["b_proj"]), Dense(p["g_proj"])
+            self.conv_w = nnx.Param(jnp.stack([p["q_conv1d"], p["k_conv1d"], p["v_conv1d"]]))
+            self.A_log, self.dt_bias = nnx.Param(p["A_log"]), nnx.Param(p["dt_bias"])
+            self.out_norm = GatedNorm(p["o_norm"], m.eps)
+            self.wo = Dense(p["o_proj"])
+            self.H, self.d, self.lb, self.variant = m.num_heads, m.kda_head_dim, m.lower_bound, variant
+
+        def __call__(self, x, meta, pool):
+            N, H, d = x.shape[0], self.H, self.d
+            slots, cu = meta["slots"], meta["cu"]
+            conv0 = pool["conv"][slots]  # [B,3,P,W]
+            qkv, convs = [], []
+            for j, lin in enumerate((self.wq, self.wk, self.wv)):
+                y, c = packed_conv(lin(x)[0], self.conv_w[...][j], conv0[:, j], cu)
+                qkv.append(y.reshape(N, H, d))
+                convs.append(c)
+            g = decay_gate(self.w_forget(x)[0].reshape(N, H, d), self.A_log[...], self.dt_bias[...], self.lb,
+                           self.variant)
+            beta = jax.nn.sigmoid(self.w_beta(x)[0].astype(jnp.float32))
+            q, k, v = qkv
+            o, S = recurrence(l2_normalize(q), l2_normalize(k), v, g, beta, pool["ssm"][slots], cu, d ** -0.5)
+            o = o.astype(x.dtype)
+            on = self.out_norm(o, self.w_outgate(x)[0].reshape(N, H, d))
+            out = self.wo(on.reshape(N, H * d))[0]
+            new_pool = {"ssm": pool["ssm"].at[slots].set(S),
+                        "conv": pool["conv"].at[slots].set(jnp.stack(convs, axis=1).astype(pool["conv"].dtype))}
+            return out, new_pool
+
+    class MLAMixer(nnx.Module):
+        def __init__(self, p, m):
+            from parity.jax_ling3.mla import MLA_NORM_EPS
+
+            self.q_lora = m.q_lora_rank is not None
+            if self.q_lora:
+                self.wq_a, self.q_norm, self.wq_b = (Dense(p["q_a_proj"]), Norm(p["q_a_layernorm"], MLA_NORM_EPS),
+                                                     Dense(p["q_b_proj"]))
+            else:
+                self.wq = Dense(p["q_proj"])
+            self.wkv_a, self.kv_norm = Dense(p["kv_a_proj_with_mqa"]), Norm(p["kv_a_layernorm"], MLA_NORM_EPS)
+            self.wkv_b, self.w_gate, self.wo = Dense(p["kv_b_proj"]), Dense(p["g_proj"]), Dense(p["dense"])
+            self.m = m
+
+        def __call__(self, x, meta, pool):
+            m = self.m
+            N, H, n, r, vd, c = x.shape[0], m.num_heads, m.qk_nope, m.qk_rope, m.v_head_dim, m.kv_lora_rank
+            q = self.wq_b(self.q_norm(self.wq_a(x)[0]))[0] if self.q_lora else self.wq(x)[0]
+            q = q.reshape(N, H, n + r)
+            kv_a = self.wkv_a(x)[0]
+            c_kv = self.kv_norm(kv_a[:, :c])
+            self.wkv_b(c_kv)  # the port expands the new tokens' K/V here too (tapped as kv_b_proj)
+            cos, sin = cos_sin(meta["positions"], r, m.rope_theta, x.dtype)
+            q_rope = apply_rope_interleaved(q[:, :, n:], cos, sin)  # cos/sin [N,r/2] broadcast over heads
+            k_rope = apply_rope_interleaved(kv_a[:, None, c:], cos, sin)[:, 0]  # one shared head
+            loc = meta["out_loc"]
+            kv_pool = pool["c_kv"].at[loc].set(c_kv.astype(pool["c_kv"].dtype))
+            rope_pool = pool["k_rope"].at[loc].set(k_rope.astype(pool["k_rope"].dtype))
+            core = latent_attention(q[:, :, :n], q_rope, kv_pool, rope_pool, self.wkv_b.w[...], meta["seq_loc"],
+                                    meta["positions"], meta["prefix"], meta["extend"], m.attn_scale, x.dtype)
+            gate = head_gate(self.w_gate(x)[0])
+            gated = (core * gate[:, :, None]).reshape(N, H * vd)
+            return self.wo(gated)[0], {"c_kv": kv_pool, "k_rope": rope_pool}
+
+    class Router(nnx.Module):
+        def __init__(self, w, bias):
+            self.kernel, self.bias = nnx.Param(w), nnx.Param(bias)
+
+        def __call__(self, x):
+            return jax.nn.sigmoid(router_logits(x, self.kernel[...]))  # scores, as the port returns
+
+    class FFN(nnx.Module):
+        """SwiGLU MLP with port-style projections (dense layers and the shared expert)."""
+
+        def __init__(self, p, limit):
+            self.w_gate, self.w_up, self.w_down = Dense(p["gate_proj"]), Dense(p["up_proj"]), Dense(p["down_proj"])
+            self.limit = limit
+
+        def __call__(self, x):
+            return self.w_down(swiglu(self.w_gate(x)[0], self.w_up(x)[0], self.limit))[0]
+
+    class Experts(nnx.Module):
+        """Stacked expert weights [E, ·, ·]."""
+
+        def __init__(self, p, limit):
+            self.gate, self.up, self.down = (nnx.Param(p[f"experts_{k}"]) for k in ("gate", "up", "down"))
+            self.limit = limit
+
+        def __call__(self, x, weights, ids):
+            p = {"experts_gate": self.gate[...], "experts_up": self.up[...], "experts_down": self.down[...]}
+            return routed_experts(p, x, ids, weights, self.limit)
+
+    class MoE(nnx.Module):
+        def __init__(self, p, spec, variant):
+            m = spec.model
+            self.router = Router(p["router"], p["expert_bias"])
+            self.experts = Experts(p, spec.routed_limit)
+            self.shared = FFN({k: p[f"shared_{k}"] for k in ("gate_proj", "up_proj", "down_proj")},
+                              spec.shared_limit) if m.has_shared else None
+            self.cfg = (m.top_k, m.n_group, m.topk_group, m.routed_scaling, variant != "unbiased_routing")
+
+        def __call__(self, x, forced_ids=None):
+            scores = self.router(x)
+            w, ids = grouped_topk(scores, self.router.bias[...], *self.cfg)
+            if forced_ids is not None:  # forced routing: the port's weight maths on the given experts
+                ids = forced_ids
+                w = jnp.take_along_axis(scores, ids, axis=-1)
+                w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * self.cfg[3]
+            y = self.experts(x, w, ids)
+            return y + self.shared(x) if self.shared is not None else y
+
+    class Block(nnx.Module):
+        def __init__(self, p, spec, variant):
+            m = spec.model
+            self.ln_in = Norm(p["input_layernorm"], m.eps)
+            self.mixer = KDAMixer(p["attention"], m, variant) if spec.kind == "kda" else MLAMixer(p["attention"], m)
+            self.ln_post = Norm(p["post_attention_layernorm"], m.eps)
+            self.ffn = MoE(p["mlp"], spec, variant) if spec.moe else FFN(p["mlp"], None)
+            self.moe = spec.moe
+
+        def __call__(self, x, meta, pool, forced_ids=None):
+            a, new_pool = self.mixer(self.ln_in(x), meta, pool)
+            h = x + a  # residual stream in the model dtype (facts §8)
+            y = self.ffn(self.ln_post(h), forced_ids) if self.moe else self.ffn(self.ln_post(h))
+            return h + y, new_pool
+
+    _M = {"Block": Block}
+    return _M
+
+
+_M = None
+
+
+# ------------------------------------------------------------------------------------------ the tap map
+_HERE = "parity.targets.portlike"
+
+
+def _conv_state(v, ctx):
+    """The KDA conv pool [slots,3,P,W] -> this batch's [3,B,P,W] (fla convention: last W inputs, facts §3.11)."""
+    return np.moveaxis(np.asarray(v["conv"])[ctx["slots"]], 1, 0)
+
+
+CONV_POOL = Transform("conv_pool_rows", "conv state read from the port's per-slot conv pool (rows of this batch's "
+                      "slots; slot 0 reserved)", test=_conv_state)
+
+
+def tap_map(kind: str, moe: bool, q_lora: bool) -> list[Tap]:
+    """Canonical site <- this port's module path / function, per layer kind (DESIGN §3 names)."""
+    t = [Tap("input_layernorm", module="ln_in"), Tap("attention", module="mixer", take="out[0]"),
+         Tap("post_attention_layernorm", module="ln_post"), Tap("output", module="", take="out[0]")]
+    if kind == "kda":
+        t += [Tap(f"attention.{n}_proj", module=f"mixer.w{n}", take="out[0]") for n in "qkv"]
+        t += [Tap(f"attention.{n}_conv1d", function=f"{_HERE}:packed_conv", take="out[0]", call=j)
+              for j, n in enumerate("qkv")]
+        t += [Tap("attention.f_proj", module="mixer.w_forget", take="out[0]"),
+              Tap("attention.gate", function=f"{_HERE}:decay_gate"),
+              Tap("attention.b_proj", module="mixer.w_beta", take="out[0]"),
+              Tap("attention.beta", function=f"{_HERE}:recurrence", take="in[beta]"),
+              Tap("attention.core", module="mixer.out_norm", take="in[0]"),
+              Tap("attention.g_proj", module="mixer.w_outgate", take="out[0]"),
+              Tap("attention.o_norm", module="mixer.out_norm"),
+              Tap("attention.o_proj", module="mixer.wo", take="out[0]"),
+              Tap("attention.state", function=f"{_HERE}:recurrence", take="out[1]"),
+              Tap("attention.conv_state", module="mixer", take="out[1]", transform=CONV_POOL)]
+    else:
+        if q_lora:
+            t += [Tap("attention.q_a_proj", module="mixer.wq_a", take="out[0]"),
+                  Tap("attention.q_a_layernorm", module="mixer.q_norm"),
+                  Tap("attention.q_b_proj", module="mixer.wq_b", take="out[0]")]
+        else:
+            t += [Tap("attention.q_proj", module="mixer.wq", take="out[0]")]
+        t += [Tap("attention.kv_a_proj_with_mqa", module="mixer.wkv_a", take="out[0]"),
+              Tap("attention.kv_a_layernorm", module="mixer.kv_norm"),
+              Tap("attention.kv_b_proj", module="mixer.wkv_b", take="out[0]"),
+              Tap("attention.core", function=f"{_HERE}:latent_attention"),
+              Tap("attention.g_proj", module="mixer.w_gate", take="out[0]"),
+              Tap("attention.gate", function=f"{_HERE}:head_gate"),
+              Tap("attention.dense:in", module="mixer.wo", take="in[0]"),
+              Tap("attention.dense", module="mixer.wo", take="out[0]")]
+    if moe:
+        t += [Tap("mlp.gate.logits", module="ffn.router", transform=ROUTER_SCORES),
+              Tap("mlp.gate.topk_weight", module="ffn.experts", take="in[weights]"),
+              Tap("mlp.gate.topk_idx", module="ffn.experts", take="in[ids]"),
+              Tap("mlp.routed", module="ffn.experts"),
+              Tap("mlp.shared_experts", module="ffn.shared"),
+              Tap("mlp", module="ffn")]
+    else:
+        t += [Tap("mlp.gate_proj", module="ffn.w_gate", take="out[0]"),
+              Tap("mlp.up_proj", module="ffn.w_up", take="out[0]"),
+              Tap("mlp.down_proj", module="ffn.w_down", take="out[0]"), Tap("mlp", module="ffn")]
+    return t
+
+
+# ------------------------------------------------------------------------------------------ the target
+class PortlikeTarget(Target):
+    """The port-shaped model as a target: loads from the checkpoint directory, runs packed batches through pools,
+    reports every site through taps. `variant` (see module doc) breaks one sub-module on purpose."""
+
+    name = "portlike"
+    capabilities = frozenset({"q_lora", "swiglu_clamp", "forced_routing", "kda_chunked", "kda_recurrent", "decode"})
+    needs_checkpoint_dir = True
+
+    def __init__(self, variant: str = "ok") -> None:
+        if variant not in VARIANTS:
+            raise ValueError(f"portlike variant {variant!r}: expected one of {VARIANTS}")
+        self.variant = variant
+        self.blocks: dict[int, Any] = {}
+        self.ckpt_dir = None
+        self._taps: dict[tuple, TapSet] = {}
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        try:
+            import flax  # noqa: F401
+            import jax  # noqa: F401
+        except ImportError as e:
+            return False, f"flax/jax not installed ({e}); pip install 'flax==0.12.*'"
+        return True, ""
+
+    def build(self, config, dtype: str, mesh=None) -> None:
+        from parity.jax_ling3.spec import dtype_name, dtype_of
+
+        self.cfg, self.dtype = config, dtype_name(dtype_of(dtype))
+        for i in range(self.cfg.num_hidden_layers):  # every function patch in place before the port's first trace
+            self.taps(i)
+
+    def use_checkpoint_dir(self, path, layers=None) -> None:
+        from parity.jax_ling3.weights import CheckpointReader
+
+        self.ckpt_dir = str(path)
+        self._reader = CheckpointReader(path)
+
+    def describe(self) -> dict:
+        return describe_jax(self.name, variant=self.variant, compiler_options=COMPILER_OPTIONS,
+                            kda_kernel="parity.jax_ling3 recurrent (T<=64) / chunked", mla="non-absorbed, paged latent",
+                            batch="packed, slot 0 reserved", checkpoint_dir=self.ckpt_dir)
+
+    def spec(self, i: int):
+        from parity.jax_ling3.spec import layer_spec
+
+        return layer_spec(self.cfg, i, self.dtype)
+
+    def taps(self, i: int) -> TapSet:
+        key = (self.cfg.layer_kind(i), self.cfg.is_moe(i), self.cfg.q_lora)
+        if key not in self._taps:
+            self._taps[key] = TapSet(tap_map(*key)).install()
+        return self._taps[key]
+
+    def load_globals(self, hf_tensors) -> None:
+        from parity.jax_ling3.weights import convert_globals
+
+        self.glob = convert_globals(self.cfg, hf_tensors, self.dtype)
+
+    def load_layer(self, i: int, hf_tensors) -> None:
+        from parity.jax_ling3.weights import convert_layer
+
+        src = self._reader.hf_tensors(i) if self.ckpt_dir else hf_tensors  # the port reads its own checkpoint
+        p = convert_layer(self.cfg, i, src, self.dtype)
+        self.blocks[i] = _modules()["Block"](p, self.spec(i), self.variant)
+
+    def unload_layer(self, i: int) -> None:
+        self.blocks.pop(i, None)
+
+    def embed(self, input_ids):
+        return np.asarray(self.glob["embed"])[np.asarray(input_ids)]
+
+    def head(self, hidden):
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.model import head_jit
+        from parity.jax_ling3.spec import dtype_of
+
+        out = head_jit(self.glob["final_norm"], self.glob["lm_head"], jnp.asarray(hidden, dtype_of(self.dtype)),
+                       float(self.cfg.rms_norm_eps))
+        return {k: np.asarray(v) for k, v in out.items()}
+
+    def _new_pool(self, i: int, B: int, capacity: int):
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.spec import dtype_of
+
+        dt, cfg = dtype_of(self.dtype), self.cfg
+        if cfg.layer_kind(i) == "kda":
+            H, d, P, W = cfg.num_attention_heads, cfg.head_dim, cfg.kda_proj_size, cfg.short_conv_kernel_size
+            return {"ssm": jnp.zeros((1 + B, H, d, d), jnp.float32), "conv": jnp.zeros((1 + B, 3, P, W), dt)}
+        n = 1 + B * capacity
+        return {"c_kv": jnp.zeros((n, cfg.kv_lora_rank), dt), "k_rope": jnp.zeros((n, cfg.qk_rope_head_dim), dt)}
+
+    def layer_forward(self, i: int, hidden, positions, state=None, forced_topk=None) -> LayerResult:
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.spec import dtype_of
+
+        hidden = np.asarray(hidden)
+        B, T, D = hidden.shape
+        if state is None:
+            cap = T + DECODE_ROOM
+            pool, prefix = self._new_pool(i, B, cap), 0
+        else:
+            pool, prefix, cap = state
+        pb = PackedBatch.of(B, T, prefix=prefix, capacity=cap)
+        meta = {"slots": jnp.asarray(pb.slots), "positions": jnp.asarray(pb.positions),
+                "out_loc": jnp.asarray(pb.out_loc), "seq_loc": jnp.asarray(pb.seq_loc)}
+        statics = (tuple(int(c) for c in pb.cu_seqlens), prefix, T)
+        forced = None if forced_topk is None else jnp.asarray(pb.pack(forced_topk), jnp.int32)
+        taps = self.taps(i)
+        from flax import nnx
+
+        graphdef, params = nnx.split(self.blocks[i])
+        phase = "prefill" if state is None else "decode"
+        with taps.record(phase, {"slots": pb.slots}) as cap_:
+            out, new_pool = _run_jit()(graphdef, params, jnp.asarray(pb.pack(hidden), dtype_of(self.dtype)), meta,
+                                       pool, forced, statics, taps)
+        pts = {}
+        for site, v in cap_.points.items():
+            v = np.asarray(v) if not isinstance(v, dict) else v
+            pts[site] = pb.unpack(v) if isinstance(v, np.ndarray) and v.ndim and v.shape[0] == pb.tokens else v
+        if "mlp.gate.topk_idx" in pts:
+            pts["mlp.gate.topk_idx"], pts["mlp.gate.topk_weight"] = canonical_topk(pts["mlp.gate.topk_idx"],
+                                                                                     pts.get("mlp.gate.topk_weight"))
+        pts["input"] = hidden
+        pts = to_canonical(self.cfg, i, pts, B, T)
+        return LayerResult(pb.unpack(np.asarray(out)), pts, (new_pool, prefix + T, cap), transforms=cap_.transforms,
+                           missing=cap_.missing)
+
+
+def _run(graphdef, params, x, meta, pool, forced, statics, taps):
+    from flax import nnx
+
+    cu, prefix, extend = statics
+    block = nnx.merge(graphdef, params)
+    with taps.bind(block):
+        return block(x, {**meta, "cu": cu, "prefix": prefix, "extend": extend}, pool, forced)
+
+
+_JIT = None
+
+
+def _run_jit():
+    global _JIT
+    if _JIT is None:
+        import jax
+
+        _JIT = jax.jit(_run, static_argnames=("graphdef", "statics", "taps"), compiler_options=COMPILER_OPTIONS)
+    return _JIT

@@ -1,0 +1,36 @@
+"""With `pytest -n`, every point of one (dump, layer) runs on one xdist worker, which replays that layer once.
+
+Why not xdist's own `--dist loadgroup`: its workers carry the group to the controller by appending `@group` to each
+item's `_nodeid`; pytest 9.2 derives node ids from a structured id instead, so the write is lost and loadgroup
+silently schedules like `load` (pytest-xdist issue #1386, open with pytest 9.2.0 + pytest-xdist 3.8.0). The
+controller's scheduler only ever sees node ids, and a parity point's id already names its group
+(`test_point[<dump>/<phase>/<layer_i|model>/<site>]`), so this scheduler reads the group from the id itself and
+needs nothing from the workers.
+"""
+
+from __future__ import annotations
+
+import re
+
+from xdist.scheduler import LoadGroupScheduling
+
+# the id the plugin gives a parity point (parity/plugin.py parity_params): `<run>/<phase>/<layer>/<site>`, where the
+# run is a dump label (a file name) or `<label>/<mode>` when one pytest run replays several modes
+_POINT_ID = re.compile(r"::test_point\[(?P<dump>.+?)/(?:prefill|decode_\d+)/(?P<layer>layer_\d+|model)/[^/]+\]$")
+
+
+def point_group(nodeid: str) -> str | None:
+    """The (dump, layer) group of a parity point's node id, None for any other test."""
+    m = _POINT_ID.search(nodeid)
+    return f"parity:{m['dump']}:{m['layer']}" if m else None
+
+
+class ParityGroupScheduling(LoadGroupScheduling):
+    """xdist's loadgroup (an `@group` suffix still groups, where pytest keeps it), plus parity points grouped per
+    (dump, layer) from their ids; every other test is its own unit, spread over the workers as loadgroup does."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        scope = super()._split_scope(nodeid)
+        if scope != nodeid:
+            return scope
+        return point_group(nodeid) or nodeid
