@@ -108,6 +108,8 @@ def test_jax_reference_follows_the_kda_precision_of_a_native_dump(native_bf16_du
     ck, out = native_bf16_dump
     r = CheckpointReader(ck)
     with DumpReader(out) as d:
+        # an MTP checkpoint dumps cleanly under the native runtime: its MTP layer is declared unavailable
+        assert d.mtp_points() == [] and "no MTP layer" in d.unavailable()["MTP0/*"]
         assert (d.semantics["kda_gate_precision"], d.semantics["kda_beta_precision"]) == ("bfloat16", "bfloat16")
         opts = S.reference_options(d.semantics)
         for i in (0, 1):  # KDA layers

@@ -160,8 +160,8 @@ RUNTIME_MAPS: dict[str, list[TapSpec]] = {
 
 # Why a map lacks a site (recorded with the site in the dump's unavailable table).
 UNEXPOSED = {
-    ("official", "attention.gate"): "the official MLA computes its head gate as an inline sigmoid of g_proj (no module, "
-                                    "method or function call to read it from)",
+    ("official", "attention.gate"): "the official MLA computes its head gate as an inline sigmoid of g_proj (no "
+                                    "module, method or function call to read it from)",
 }
 
 # Sites read from fla_cpu's KDA observer (official file on CPU): observer key -> site.

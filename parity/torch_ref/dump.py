@@ -142,7 +142,7 @@ def _determinism(seed: int) -> dict:
 CAUSALITY_RTOL = 1e-3  # causal: exactly 0 measured (bf16 and fp32); a leak: 7-35 % of the output scale (tiny-flash)
 # The guard runs on the first GUARD_MAX_TOKENS prompt tokens: causality is structural, and > 64 tokens takes the
 # official KDA's chunked kernel (its recurrent one is checked by prompts ≤ 64). Bounds its cost on long prompts
-# (README "Performance": the guard's share of a Ling3-Tiny-shaped dump).
+# (README, section 1: measured ≈ 10 % of a Ling3-Tiny-shaped dump).
 GUARD_MAX_TOKENS = 80
 
 NATIVE_LIMITS = ("transformers' built-in bailing_hybrid is Flash-shaped: no q-LoRA (q_lora_rank must be null), no "
@@ -246,16 +246,15 @@ def causality_guard(model, input_ids: torch.Tensor, *, rtol: float = CAUSALITY_R
     """Per-layer causality test of the token-mixing modules (official_remote_code.md §2).
 
     The prefill of the dump itself (`recorded`, from `record_guarded_calls`), or else one prefill of the base model,
-    records the call of each checked attention module (KDA or MLA: the only modules that mix tokens): every MLA layer's (MTP layers included where they
-    run; the mask handling of ORC §2 lives there), and the first KDA layer's — the KDA code path takes no mask (the
-    official KDA drops it), so one layer exercises it, and it is the costly one (`KDA_LAYERS_CHECKED`). Each module
-    is then called once more, on its first GUARD_MAX_TOKENS positions and without a cache, on a batch of variants of
-    its recorded input: the input itself, and for each prefix length L the input with every row from position L on
-    replaced. A causal module's outputs at positions < L equal
-    those of the unchanged variant in the same call (same shapes, same kernel path, masked terms contribute exact
-    zeros); a leaking one moves them by a large fraction of the output scale. Cost: one batched call per checked
-    layer, plus a base-model prefill when nothing was recorded (README "Performance": the guard's share of a
-    Ling3-Tiny-shaped dump).
+    records the call of each checked attention module (KDA or MLA: the only modules that mix tokens): every MLA
+    layer's (MTP layers included where they run; the mask handling of ORC §2 lives there), and the first KDA layer's
+    — the KDA code path takes no mask (the official KDA drops it), so one layer exercises it, and it is the costly one
+    (`KDA_LAYERS_CHECKED`). Each module is then called once more, on its first GUARD_MAX_TOKENS positions and
+    without a cache, on a batch of variants of its recorded input: the input itself, and for each prefix length L the
+    input with every row from position L on replaced. A causal module's outputs at positions < L equal those of the
+    unchanged variant in the same call (same shapes, same kernel path, masked terms contribute exact zeros); a leaking
+    one moves them by a large fraction of the output scale. Cost: one batched call per checked layer, plus a
+    base-model prefill when nothing was recorded (README, section 1: the guard's share of a Ling3-Tiny-shaped dump).
 
     (Comparing whole-model logits instead — session-1's form of this guard — is exact on small models but not on a
     24-layer bf16 one: the MoE's per-expert GEMMs change shape when later tokens change their routing, which moves
