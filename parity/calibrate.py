@@ -9,8 +9,9 @@ tuned until a test goes green. This module:
   3. aggregates per site class × mode × (tensor dtype, compute dtype) and proposes rules = observed worst case ×
      a stated safety factor, rounded up, with documented minimums (`propose_rules`), written as TOML.
 
-Per-point statistic (`point_noise`): the comparison runs on the same grid as `parity.numerics.compare` (bf16 for
-every tensor of a bf16 run — fp32 tensors of a mixed-precision run are rounded to bf16 first — fp32 for fp32 runs).
+Per-point statistic (`point_noise`): the comparison runs on the same grid as `parity.numerics.compare`: the precision
+the tensor was computed in (`comparison_grid`: bf16 tensors in bf16, every fp32 tensor — also the fp32 tensors of a
+bf16 run — in fp32). Modes measured: `layer`, `free` and `isolated` (each site fed its own dumped inputs).
 For every element, `need` = |Δ| / ulp(RMS of its reference row) is the smallest `floor_ulps` that lets it pass by
 the absolute floor. For each candidate floor F in `FLOORS`, the *effective* ULP distance is the raw ULP distance of
 elements with need > F and 0 for the others (exactly what compare() judges), and we record its max, p99, p99.9.
@@ -26,7 +27,11 @@ Proposal (`propose_rules`, documented in the TOML header):
                             ≤ floor(0.001·n) elements above M).
   bf16 grid, free         : same floor; statistical: max_ulps = nice(S · worst p99), allowed_fraction = 0.01,
                             hard_ulps off (drift through layers is not bounded per element).
-  fp32 tier               : rtol 1e-5 elementwise (DESIGN §5), except elements within floor F fp32-ULPs of their row
+  isolated (every run)    : the fine instrument — same floor method (p99.9); max_ulps = the smallest of 1, 2, 4, ...
+                            ≥ S · worst p99.9 effective ULP; allowed_fraction as layer;
+                            hard_ulps = nice(S · worst max) where that is ≤ HARD_OFF_ABOVE (a per-element limit
+                            where the noise allows one).
+  fp32 tier (not isolated): rtol 1e-5 elementwise (DESIGN §5), except elements within floor F fp32-ULPs of their row
                             RMS, F = nice(S · worst rtol_floor_needed) — the floor absorbs cancellation near zero.
 S = `SAFETY` (2), nice() rounds up to 1, 1.5, 2, 3, 4, 6, 8, 12, ... ; minimums in `MINIMUMS`.
 """
@@ -41,16 +46,18 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from parity.numerics.compare import percentile_rank
+from parity.numerics.compare import comparison_grid, percentile_rank
 from parity.numerics.ulp import FINITE, ordered_int, to_dtype, ulp_of, value_class
 from parity.points import site_class
 
 FLOORS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# fp32 grid: a bf16-compute run's fp32 tensors carry bf16-sized noise = up to 2^16 fp32 ULPs per bf16 ULP
+FLOORS_FP32 = FLOORS + tuple(2**k for k in range(15, 25))
 KS = (1, 2, 4, 8, 16, 32, 64)
 RTOL_FP32 = 1e-5  # DESIGN §5: the fp32 tier is ~1e-5 relative
 SAFETY = 2.0
 BF16_FLOOR = 1
-MINIMUMS = {"max_ulps": 2, "hard_ulps": 4, "fp32_floor_ulps": 16}
+MINIMUMS = {"max_ulps": 2, "hard_ulps": 4, "fp32_floor_ulps": 16, "isolated_max_ulps": 1}
 LAYER_FRACTION = 0.001
 FREE_FRACTION = 0.01
 
@@ -94,6 +101,11 @@ def _fquantiles(x: np.ndarray) -> tuple[float, float, float]:
 
 
 # ------------------------------------------------------------------------------------------------ one point
+def floors_of(grid: str) -> tuple[int, ...]:
+    """Candidate floors (ULPs of the row RMS) measured on `grid`."""
+    return FLOORS_FP32 if grid == "float32" else FLOORS
+
+
 def point_noise(ref: Any, test: Any, grid: str) -> dict:
     """Noise statistics of one point compared on `grid` ('bfloat16' or 'float32'); see the module docstring."""
     r, t = to_dtype(np.asarray(ref), grid), to_dtype(np.asarray(test), grid)
@@ -111,7 +123,7 @@ def point_noise(ref: Any, test: Any, grid: str) -> dict:
     need = diff / ulp_of(rms, grid)  # floor (in ULPs of the row RMS) this element needs to pass by the floor
     raw_f, need_f = raw.ravel(), need.ravel()
     by_floor = {}
-    for F in FLOORS:
+    for F in floors_of(grid):
         eff = np.where(need_f > F, raw_f, 0)
         mx, p99, p999 = _quantiles(eff)
         by_floor[str(F)] = {"max": mx, "p99": p99, "p999": p999,
@@ -142,7 +154,7 @@ class CorpusSpec:
     prompt_lens: tuple[int, ...] = (40, 160)  # ≤ 64: recurrent KDA path of the official kernel; > 64: chunked
     dtypes: tuple[str, ...] = ("bfloat16", "float32")
     decode_steps: int = 2
-    modes: tuple[str, ...] = ("layer", "free")
+    modes: tuple[str, ...] = ("layer", "free", "isolated")
     native_seeds: tuple[int, ...] = (1,)  # twin vs built-in on an unclamped copy of tiny-flash
 
 
@@ -168,7 +180,6 @@ def measure_replay(dump_path: Path, ckpt_dir: Path, mode: str, corpus_id: str, o
     records = []
     with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=default_rules()) as ses:
         compute = ses.dtype
-        grid = "float32" if compute == "float32" else "bfloat16"
         judged = sorted(((r.to_json(), r) for r in replay_records(ses)), key=lambda jr: order_key(ses.config, jr[0]))
         for js, rec in judged:  # in report order, so ties in the aggregation resolve as before
             records.append(js)
@@ -186,10 +197,11 @@ def measure_replay(dump_path: Path, ckpt_dir: Path, mode: str, corpus_id: str, o
             tdtype = ses.dump.dtype(p)
             if tdtype not in ("bfloat16", "float32", "float16") or np.shape(obs.test) != obs.ref.shape:
                 continue
+            # measured in the precision the tensor was computed in (comparison_grid, DESIGN §5)
             out.points.append({**base, "class": site_class(p.site), "dtype": tdtype,
                                "forced_routing": rec.forced_routing, "status_old_rules": rec.status.value,
                                "replay_max_ulp_raw": rec.stats.get("max_ulp_raw"),
-                               **point_noise(obs.ref, obs.test, grid)})
+                               **point_noise(obs.ref, obs.test, comparison_grid(tdtype))})
         return build_report(ses.config, records, dump=str(dump_path), target=getattr(ses.target, "name", "?"),
                             mode=mode)
 
@@ -201,7 +213,6 @@ def measure_dump_pair(ref_path: Path, test_path: Path, kind: str, corpus_id: str
 
     a, b = DumpReader(ref_path), DumpReader(test_path)
     try:
-        g = grid or ("float32" if a.meta.get("compute_dtype") == "float32" else "bfloat16")
         compute = a.meta.get("compute_dtype", "bfloat16")
         for pt in a.points():
             if not b.has(pt):
@@ -218,7 +229,7 @@ def measure_dump_pair(ref_path: Path, test_path: Path, kind: str, corpus_id: str
             if tdtype not in ("bfloat16", "float32", "float16") or ra.size != rb.size or "cache" in pt.site:
                 continue
             out.points.append({**base, "class": site_class(pt.site), "dtype": tdtype,
-                               **point_noise(ra, rb.reshape(ra.shape), g)})
+                               **point_noise(ra, rb.reshape(ra.shape), grid or comparison_grid(tdtype))})
     finally:
         a.close()
         b.close()
@@ -250,9 +261,10 @@ def _p99_over(vals: list[float]) -> float:
     return v[percentile_rank("99", len(v))] if v else 0.0
 
 
-def floor_for(need: float) -> int:
-    """Smallest candidate floor in FLOORS that is ≥ need (the largest one if none is)."""
-    return next((F for F in FLOORS if F >= need), FLOORS[-1])
+def floor_for(need: float, grid: str = "bfloat16") -> int:
+    """Smallest candidate floor of `grid` (`floors_of`) that is ≥ need (the largest one if none is)."""
+    floors = floors_of(grid)
+    return next((F for F in floors if F >= need), floors[-1])
 
 
 def aggregate(points: Iterable[dict], floors: dict[tuple, int] | None = None) -> dict[tuple, dict]:
@@ -305,13 +317,14 @@ def propose_rule(points: Sequence[dict], safety: float = SAFETY) -> tuple[Propos
     """Rule for one group of point measurements (same `group_key`) — see the module docstring. Returns the rule and
     the floor its effective-ULP statistics were taken at."""
     cls, mode, dtype, compute = group_key(points[0])
+    grid = points[0].get("grid", "float32" if compute == "float32" else "bfloat16")
     sites = tuple(sorted({p["site"] for p in points}))
 
     def worst(k, F=None):
         val = (lambda p: p["by_floor"][str(F)][k]) if F is not None else (lambda p: p[k])
         return _worst(list(points), val)
 
-    if compute == "float32":
+    if compute == "float32" and mode != "isolated":
         # fp32 tier: rtol 1e-5 elementwise + floor; every element must pass (compare has no allowed fraction for
         # rtol), so the floor covers the worst element needing it.
         need, at = worst("rtol_floor_needed")
@@ -320,12 +333,17 @@ def propose_rule(points: Sequence[dict], safety: float = SAFETY) -> tuple[Propos
                   "rtol": RTOL_FP32, "atol": "off", "compare_dtype": "off"}
         rl, rl_at = worst("rel_l2")
         basis = f"floor needed with rtol {RTOL_FP32:g}: worst {need:.4g} fp32-ULP of row RMS at {at}; worst rel-L2 {rl:.3g}"
-        return ProposedRule(sites, cls, mode, dtype, compute, fields, basis), floor_for(F)
-    cmp_dtype = "bfloat16" if dtype == "float32" else "off"
+        return ProposedRule(sites, cls, mode, dtype, compute, fields, basis), floor_for(F, grid)
+    # ULP rule on the grid the tensor was computed in (fp32 tensors of a bf16 run: fp32 ULPs; issue 15)
     q, frac_default = ("floor_needed_p99", FREE_FRACTION) if mode == "free" else ("floor_needed_p999", LAYER_FRACTION)
     need, need_at = worst(q)
-    F = max(BF16_FLOOR, floor_for(safety * need))
-    M = MINIMUMS["max_ulps"]
+    F = max(BF16_FLOOR, floor_for(safety * need, grid))
+    if mode == "isolated":
+        # the fine instrument: the smallest max_ulps the noise allows (each sub-module fed its own dumped inputs)
+        p999, _ = worst("p999", F)
+        M = next((k for k in KS if k >= max(MINIMUMS["isolated_max_ulps"], safety * p999)), KS[-1])
+    else:
+        M = MINIMUMS["max_ulps"]
     over, over_at = _worst(list(points), lambda p: p["by_floor"][str(F)]["frac_over"][str(M)])
     allowed = max(frac_default, float(nice(1000 * safety * over)) / 1000)
     mx, mx_at = worst("max", F)
@@ -333,13 +351,14 @@ def propose_rule(points: Sequence[dict], safety: float = SAFETY) -> tuple[Propos
     # is a tail statistic that keeps growing with the corpus. Measured: the 735 layer-mode o_norm points of the
     # 4-seed corpus peak at 8 row-RMS ULPs raw, the out-of-sample bundled tiny-flash bf16 dump (seed 0) reaches 13
     # on one KDA head row 13x below the tensor's RMS (a near-zero recurrence output, normalised by o_norm). Systematic
-    # errors are caught by the floor + allowed-fraction rule; per-element limits belong to the isolated mode.
-    H = int(max(MINIMUMS["hard_ulps"], nice(safety * mx)))
-    hard = "off" if HARD_PER_ELEMENT_OFF or H > HARD_OFF_ABOVE else H
+    # errors are caught by the floor + allowed-fraction rule; per-element limits belong to the isolated mode, where
+    # they are set wherever the measured maximum leaves them below HARD_OFF_ABOVE.
+    H = int(max(MINIMUMS["hard_ulps"], M, nice(safety * mx)))
+    hard = "off" if (HARD_PER_ELEMENT_OFF and mode != "isolated") or H > HARD_OFF_ABOVE else H
     fields = {"floor_ulps": F, "max_ulps": M, "allowed_fraction": min(allowed, 1.0), "hard_ulps": hard,
-              "rtol": "off", "atol": "off", "compare_dtype": cmp_dtype}
-    basis = (f"worst {q.replace('floor_needed_', '')} of |Δ|/ulp(row RMS): {need:.4g} at {need_at}; at floor {F}: "
-             f"worst fraction above {M} ULP {over:.3g} at {over_at}, worst max {mx} ULP at {mx_at}")
+              "rtol": "off", "atol": "off", "compare_dtype": "off"}
+    basis = (f"{grid} grid; worst {q.replace('floor_needed_', '')} of |Δ|/ulp(row RMS): {need:.4g} at {need_at}; at "
+             f"floor {F}: worst fraction above {M} ULP {over:.3g} at {over_at}, worst max {mx} ULP at {mx_at}")
     return ProposedRule(sites, cls, mode, dtype, compute, fields, basis), F
 
 
@@ -367,7 +386,7 @@ def propose_rules(points: Iterable[dict], safety: float = SAFETY) -> tuple[list[
             groups.setdefault(group_key(p), []).append(p)
     rules, floors = [], {}
     for key, ps in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
-        if key[1] not in ("layer", "free"):
+        if key[1] not in ("layer", "free", "isolated"):
             continue  # cross-checks (twin vs native, fp32 vs bf16) inform, they do not define rules
         r, floors[key] = propose_rule(ps, safety)
         rules.append(r)
@@ -401,13 +420,14 @@ def rules_toml(rules: Sequence[ProposedRule], header: str) -> str:
     """The table as TOML in the format of parity.numerics.tolerances: free entries first (specific mode), then the
     layer-mode entries with mode "*" (layer, forced and any other mode), per-site before catch-alls."""
     lines = [header.rstrip(), "", 'schema = "ling3-parity-tolerances"', "version = 1", ""]
-    order = sorted(rules, key=lambda r: (r.cls == "catch-all", r.mode != "free", r.compute, r.dtype, r.cls))
+    order = sorted(rules, key=lambda r: (r.cls == "catch-all", r.mode not in ("free", "isolated"), r.mode, r.compute,
+                                         r.dtype, r.cls))
     for r in order:
         lines.append(f"# {r.cls} · {r.mode} · {r.dtype} tensors · compute {r.compute}: {r.basis}")
         for site in r.sites:
             lines.append("[[rule]]")
             lines.append(f'site = "{site}"')
-            lines.append(f'mode = "{"free" if r.mode == "free" else "*"}"')
+            lines.append(f'mode = "{r.mode if r.mode in ("free", "isolated") else "*"}"')
             lines.append(f'dtype = "{r.dtype}"')
             lines.append(f'compute = "{r.compute}"')
             for k, v in r.fields.items():
@@ -490,6 +510,35 @@ def run_calibration(spec: CorpusSpec, workdir: Path, log=print) -> Measurement:
     return out
 
 
+def remeasure(meas: Measurement, workdir: Path, modes: Sequence[str], log=print) -> Measurement:
+    """Replay the corpus dumps kept in `workdir` (by `run_calibration`) again in `modes` and replace those modes'
+    points and routing records in `meas` — e.g. after a change to how a mode feeds a site, without rebuilding the
+    corpus. Dumps are found by `run_calibration`'s names: `<preset>-s<seed>-T<T>-<bf16|fp32>.h5`, checkpoint
+    `<preset>-s<seed>/`."""
+    import re
+    import time
+
+    workdir = Path(workdir)
+    keep = [p for p in meas.points if p["mode"] not in modes]
+    keep_r = [r for r in meas.routing if r["mode"] not in modes]
+    out = Measurement(points=keep, routing=keep_r, runs=list(meas.runs))
+    pat = re.compile(r"^(?P<name>.+)-s(?P<seed>\d+)-T(?P<T>\d+)-(?P<tag>bf16|fp32)\.h5$")
+    dumps = sorted(p for p in workdir.glob("*.h5") if pat.match(p.name))
+    if not dumps:
+        raise ValueError(f"{workdir}: no corpus dumps (<preset>-s<seed>-T<T>-<bf16|fp32>.h5) to re-measure")
+    for path in dumps:
+        m = pat.match(path.name)
+        cid = f"{m['name']}/s{m['seed']}/T{m['T']}/{m['tag']}"
+        ckpt = workdir / f"{m['name']}-s{m['seed']}"
+        for mode in modes:
+            t0 = time.perf_counter()
+            rep = measure_replay(path, ckpt, mode, cid, out)
+            out.runs.append({"what": f"re-measure {mode} {cid}", "seconds": round(time.perf_counter() - t0, 1),
+                             "counts_old_rules": rep["counts"]})
+            log(f"re-measured {cid} {mode} in {time.perf_counter() - t0:.1f}s: {rep['counts']} (old rules)")
+    return out
+
+
 def routing_summary(routing: list[dict]) -> dict:
     """Top-k flips per (mode, compute dtype): tokens compared, flipped, benign (replay's classification)."""
     s: dict[str, dict] = {}
@@ -520,22 +569,28 @@ def toml_header(command: str, date: str, mach: str, spec: CorpusSpec, safety: fl
         f"{', '.join(map(str, spec.seeds))} × prompts {', '.join(map(str, spec.prompt_lens))} tokens",
         f"(≤ 64: recurrent KDA path, > 64: chunked) × {', '.join(spec.dtypes)} × prefill + {spec.decode_steps} decode "
         "steps. Noise measured: the",
-        "pure-JAX reference against the PyTorch twin's dumps, replayed in `layer` (teacher-forced) and `free` mode;",
+        f"pure-JAX reference against the PyTorch twin's dumps, replayed in {', '.join(f'`{m}`' for m in spec.modes)} mode;",
         "both agree with transformers' built-in bailing_hybrid to ≤ 1e-5 in fp32 (tests/test_jax_model.py,",
         "tests/test_twin_vs_builtin.py).",
         "",
         f"Rule = observed worst case over the corpus × safety factor {safety:g}, rounded up to 1, 1.5, 2, 3, 4, 6, 8, ...:",
-        f"- bf16 grid (bf16 runs; their fp32 tensors compared after rounding to bf16): floor_ulps = {BF16_FLOOR} ULP of",
-        "  the row RMS at least, else S·worst p99.9 (layer) / p99 (free) of |Δ|/ulp(row RMS). layer/forced/other modes:",
+        "Every tensor is measured and compared in the precision it was computed in (DESIGN §5): bf16 tensors in bf16",
+        "ULPs, the fp32 tensors of a bf16 run (KDA gate/beta/state, router logits, top-k weights) in fp32 ULPs.",
+        f"- bf16 runs (ULP rule on the tensor's grid): floor_ulps = {BF16_FLOOR} ULP of",
+        "  the row RMS at least, else S·worst p99.9 (layer, isolated) / p99 (free) of |Δ|/ulp(row RMS). layer/forced:",
         f"  max_ulps = {MINIMUMS['max_ulps']}, allowed_fraction = max({LAYER_FRACTION}, S·worst fraction above it), hard_ulps off (the worst single element of a",
         f"  finite corpus is a tail statistic that grows with the corpus; per-element limits: isolated mode).",
-        f"  free: max_ulps = S·worst p99, allowed_fraction = {FREE_FRACTION}, hard_ulps off (drift).",
+        f"  free: max_ulps = {MINIMUMS['max_ulps']}, allowed_fraction = {FREE_FRACTION} at least, hard_ulps off (drift).",
+        f"  isolated (the fine instrument, every run dtype): max_ulps = the smallest of 1, 2, 4, ... ≥ S·worst p99.9 effective",
+        f"  ULP (at least {MINIMUMS['isolated_max_ulps']}), allowed_fraction = max({LAYER_FRACTION}, S·worst fraction above it),",
+        f"  hard_ulps = S·worst max effective ULP where that is ≤ {HARD_OFF_ABOVE} (per-element limit), else off.",
         f"  Minimums: max_ulps ≥ {MINIMUMS['max_ulps']}, hard_ulps ≥ {MINIMUMS['hard_ulps']}.",
-        f"- fp32 tier (fp32 runs): per element |Δ| ≤ rtol·|ref| with rtol = {RTOL_FP32:g} (DESIGN §5), except",
+        f"- fp32 tier (fp32 runs, every mode but isolated): per element |Δ| ≤ rtol·|ref| with rtol = {RTOL_FP32:g} (DESIGN §5), except",
         "  elements within floor_ulps fp32-ULPs of their row RMS: after cancellation a near-zero element carries the",
         "  absolute error of its row's scale, not of its own magnitude. floor_ulps = S·(worst floor needed),",
         f"  minimum {MINIMUMS['fp32_floor_ulps']}.",
-        "Entries are per site, most specific first (free entries, then all other modes, then per-tier catch-alls =",
+        "Entries are per site, most specific first (free and isolated entries, then all other modes, then per-tier",
+        "catch-alls =",
         "the loosest measured class of the tier). Lookup is FIRST MATCH WINS, PER FIELD.",
     ])
 

@@ -314,13 +314,14 @@ class Ling3Config:
     def layer_kind(self, i: int) -> LayerKind:
         """MLA iff (i+1) % g == 0 or i >= floor(n/g)*g (ragged tail is MLA), else KDA (facts §2).
 
-        The MTP layer (i == num_hidden_layers) is always MLA.
+        MTP layers (i = num_hidden_layers + j, j < max(1, num_nextn_predict_layers)) are always MLA (facts §2).
         """
         n, g = self.num_hidden_layers, self.layer_group_size
-        if i == n:
+        if n <= i < n + max(1, self.num_nextn_predict_layers):
             return "mla"
         if not 0 <= i < n:
-            raise ConfigError(f"layer index {i} out of range 0..{n - 1} (MTP layer is {n})")
+            raise ConfigError(f"layer index {i} out of range 0..{n - 1} (MTP layers are "
+                              f"{n}..{n + max(1, self.num_nextn_predict_layers) - 1})")
         if (i + 1) % g == 0 or i >= (n // g) * g:
             return "mla"
         return "kda"

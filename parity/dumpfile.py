@@ -11,6 +11,8 @@ Layout (DESIGN §4):
     /prefill/model/<site>    model-level sites (embed, final_norm, logits)
     /prefill/L03/<site>      one dataset per site; attrs dtype, module, io, shape_names
     /decode/S001/L03/<site>  the same per decode step
+    /prefill/MTP0/<site>     MTP layer j's points (`parity.mtp_points`): their own group, never mixed into the main
+    /decode/S001/MTP0/<site> stack's (the reader lists them apart: `mtp_points()`; `points()` is the main stack)
     /unavailable             [N, 2] strings: (point or site pattern, reason) a runtime cannot provide (never zeros)
     /stats/<point path>      statistics-only mode: an *empty* dataset (h5py.Empty) whose attrs are the statistics;
                              kept apart from the data tree so `has(point)` / `read(point)` never see a stats-only point
@@ -49,6 +51,8 @@ import ml_dtypes
 import numpy as np
 
 from parity.errors import CheckpointError, ConfigError, DumpError, ParityError
+from parity.mtp_points import GROUP_RE as _MTP_RE
+from parity.mtp_points import MtpPoint
 from parity.points import Point
 
 SCHEMA = "ling3-parity-dump"
@@ -220,8 +224,8 @@ def _json_default(o: Any) -> Any:
         return o.item()
     if isinstance(o, np.ndarray):
         return o.tolist()
-    if isinstance(o, (Path, Point)):
-        return o.key() if isinstance(o, Point) else str(o)
+    if isinstance(o, (Path, Point, MtpPoint)):
+        return str(o) if isinstance(o, Path) else o.key()
     raise TypeError(f"{type(o).__name__} is not JSON-serialisable")
 
 
@@ -256,8 +260,12 @@ def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(max(1, c) for c in chunk)
 
 
-def _sort_key(p: Point) -> tuple:
-    return (_PHASES.index(p.phase) if p.phase in _PHASES else 9, p.step, -1 if p.layer is None else p.layer, p.site)
+def _sort_key(p: Point | MtpPoint) -> tuple:
+    """(phase, step, model-level / layers / MTP layers, site): the main stack first, then the MTP layers."""
+    ph = _PHASES.index(p.phase) if p.phase in _PHASES else 9
+    if isinstance(p, MtpPoint):
+        return (ph, p.step, 1, p.mtp, p.site)
+    return (ph, p.step, 0, -1 if p.layer is None else p.layer, p.site)
 
 
 # ---------------------------------------------------------------------------------------------------- seal
@@ -601,7 +609,7 @@ class DumpWriter:
             del g
         self._tokens = True
 
-    def write(self, point: Point, array: np.ndarray, *, module: str = "", io: str = "output",
+    def write(self, point: Point | MtpPoint, array: np.ndarray, *, module: str = "", io: str = "output",
               shape_names: str = "") -> None:
         """One dataset at `point.h5_path()`; bf16 stored as uint16 bits + attr dtype="bfloat16"."""
         self._check_open()
@@ -635,7 +643,7 @@ class DumpWriter:
         self.seconds_writing += time.perf_counter() - t0
         self.array_bytes += data.nbytes
 
-    def write_stats(self, point: Point, stats: dict) -> None:
+    def write_stats(self, point: Point | MtpPoint, stats: dict) -> None:
         """Statistics-only mode: an empty dataset at `/stats<point path>` whose attrs are `stats` (DESIGN §9)."""
         self._check_open()
         self._check_point(point)
@@ -654,17 +662,33 @@ class DumpWriter:
             del ds
         self._stats.add(point)
 
+    def set_meta(self, key: str, value: Any) -> None:
+        """Set (or replace) one root attribute of the caller's meta after the writer was opened — for facts known only
+        once the forward ran (e.g. a guard run on the prefill's own inputs). The writer's own attrs are refused."""
+        self._check_open()
+        if key in WRITER_META:
+            raise DumpError(f"{self.path}: root attr {key!r} is set by the writer itself")
+        attrs, json_keys = _encode_attrs({key: value}, where=f"{self.path} meta")
+        root = self._f.attrs
+        keys = set(json.loads(_attr_value(root["json_keys"])))
+        keys.discard(key)
+        keys.update(json_keys)
+        if key in root:
+            del root[key]
+        root[key] = attrs[key]
+        root["json_keys"] = json.dumps(sorted(keys))
+
     def mark_unavailable(self, point_or_pattern: Point | str, reason: str) -> None:
         """Record a point (or a site pattern such as `L03/attention.gate`) the runtime cannot provide, and why."""
         self._check_open()
-        key = point_or_pattern.key() if isinstance(point_or_pattern, Point) else point_or_pattern
+        key = point_or_pattern.key() if isinstance(point_or_pattern, (Point, MtpPoint)) else point_or_pattern
         if not (isinstance(key, str) and key):
             raise DumpError(f"{self.path}: unavailable pattern {point_or_pattern!r}, expected a Point or a string")
         if not (isinstance(reason, str) and reason.strip()):
             raise DumpError(f"{self.path}: unavailable {key}: reason {reason!r}, expected a non-empty string")
         if key in self._unavailable:
             raise DumpError(f"{self.path}: {key} marked unavailable twice ({self._unavailable[key]!r}, {reason!r})")
-        if isinstance(point_or_pattern, Point) and point_or_pattern in self._written:
+        if isinstance(point_or_pattern, (Point, MtpPoint)) and point_or_pattern in self._written:
             raise DumpError(f"{self.path}: {key} was written, it cannot also be unavailable")
         self._unavailable[key] = reason
 
@@ -752,11 +776,12 @@ class DumpWriter:
         if self._closed:
             raise DumpError(f"{self.path}: writer already finished or aborted")
 
-    def _check_point(self, point: Point) -> None:
-        if not isinstance(point, Point):
-            raise DumpError(f"{self.path}: got {point!r}, expected a parity.points.Point")
+    def _check_point(self, point: Point | MtpPoint) -> None:
+        if not isinstance(point, (Point, MtpPoint)):
+            raise DumpError(f"{self.path}: got {point!r}, expected a parity.points.Point or parity.mtp_points.MtpPoint")
         ok = (point.phase == "prefill" and point.step == 0) or (point.phase == "decode" and point.step >= 1)
-        if not ok or (point.layer is not None and point.layer < 0) or not point.site or "/" in point.site:
+        layer = point.mtp if isinstance(point, MtpPoint) else point.layer
+        if not ok or (layer is not None and layer < 0) or not point.site or "/" in point.site:
             raise DumpError(f"{self.path}: malformed point {point!r}: expected prefill step 0 or decode step >= 1, "
                             "layer None or >= 0, a site name without '/'")
 
@@ -887,12 +912,16 @@ def _iter_phase(root: h5py.Group, phase: str, path: Path, prefix: str) -> Iterat
             steps.append((int(m.group(1)), g[name]))
     for step, sg in steps:
         for lname in sg.keys():
+            mtp = None
             if lname == "model":
                 layer = None
+            elif (mm := _MTP_RE.match(lname)) is not None:
+                layer, mtp = None, int(mm.group(1))
             else:
                 m = _LAYER_RE.match(lname)
                 if not m:
-                    raise DumpError(f"{path}: {sg.name}/{lname}: expected 'model' or a layer group L00, L01, ...")
+                    raise DumpError(f"{path}: {sg.name}/{lname}: expected 'model' or a layer group L00, L01, ... "
+                                    "(or an MTP group MTP0, ...)")
                 layer = int(m.group(1))
             lg = sg[lname]
             if not isinstance(lg, h5py.Group):
@@ -901,7 +930,7 @@ def _iter_phase(root: h5py.Group, phase: str, path: Path, prefix: str) -> Iterat
                 ds = lg[site]
                 if not isinstance(ds, h5py.Dataset):
                     raise DumpError(f"{path}: {ds.name}: expected a dataset, found a group")
-                yield Point(phase, step, layer, site), ds
+                yield (Point(phase, step, layer, site) if mtp is None else MtpPoint(phase, step, mtp, site)), ds
 
 
 def validate_dump(path: str | os.PathLike, *, expect_fingerprint: str | None = None, verify: bool = True) -> dict:
@@ -929,7 +958,8 @@ class DumpReader:
         self._f: h5py.File | None = _open(self.path, verify)
         try:
             self.meta, self._dtypes = _validate_open(self._f, self.path, expect_fingerprint)
-            self._index = set(self._dtypes)
+            self._index = {p for p in self._dtypes if isinstance(p, Point)}  # the main stack
+            self._mtp_index = {p for p in self._dtypes if isinstance(p, MtpPoint)}  # MTP layers (own groups)
             self._attrs: dict[Point, dict] = {}  # per-point attrs, read once (a replay asks for each point's dtype)
             self._stats_index = self._build_stats_index()
         except BaseException:
@@ -999,15 +1029,31 @@ class DumpReader:
         return sorted(p.site for p in self._index if (p.phase, p.step, p.layer) == (phase, step, layer))
 
     def points(self) -> list[Point]:
-        """Every data point, in (phase, step, layer, site) order with model-level first within a step."""
+        """Every data point of the main stack, in (phase, step, layer, site) order with model-level first within a
+        step. MTP layers' points are listed by `mtp_points()`."""
         return sorted(self._index, key=_sort_key)
 
-    def stats_points(self) -> list[Point]:
-        """Points that have statistics (statistics-only mode)."""
+    def mtp_points(self) -> list[MtpPoint]:
+        """Every data point of the MTP layers (groups MTP0, ...), in (phase, step, MTP layer, site) order."""
+        return sorted(self._mtp_index, key=_sort_key)
+
+    @property
+    def semantics(self) -> dict | None:
+        """The root attr `semantics` (how the dump's runtime behaves on the known semantic forks, DESIGN §4), or
+        None for a dump written before it existed."""
+        sem = self.meta.get("semantics")
+        if sem is None:
+            return None
+        if not isinstance(sem, dict):
+            raise DumpError(f"{self.path}: root attr semantics is a {type(sem).__name__}, expected a JSON object")
+        return sem
+
+    def stats_points(self) -> list[Point | MtpPoint]:
+        """Points that have statistics (statistics-only mode), main stack first, then the MTP layers'."""
         return sorted(self._stats_index, key=_sort_key)
 
-    def has(self, point: Point) -> bool:
-        return point in self._index
+    def has(self, point: Point | MtpPoint) -> bool:
+        return point in self._index or point in self._mtp_index
 
     # -- data
     def read(self, point: Point, index: Any = ()) -> np.ndarray:
@@ -1017,9 +1063,9 @@ class DumpReader:
             a = np.asarray(ds[index])
             return a.view(ml_dtypes.bfloat16) if self._dtypes[point] == "bfloat16" else a
 
-    def dtype(self, point: Point) -> str:
+    def dtype(self, point: Point | MtpPoint) -> str:
         """The point's logical dtype attr ("bfloat16", "float32", ...), checked against its storage on open."""
-        if point not in self._index:
+        if not self.has(point):
             raise DumpError(self._missing_message(point))
         return self._dtypes[point]
 
@@ -1062,13 +1108,22 @@ class DumpReader:
             return {p for ph in _PHASES if st is not None and ph in st
                     for p, _ in _iter_phase(st, ph, self.path, "/stats")}
 
-    def _dataset(self, point: Point) -> h5py.Dataset:
-        if point not in self._index:
+    def _dataset(self, point: Point | MtpPoint) -> h5py.Dataset:
+        if not self.has(point):
             raise DumpError(self._missing_message(point))
         with _h5_errors(self.path, f"cannot open {point.key()}"):
             return self._file[point.h5_path()]
 
-    def _missing_message(self, point: Point) -> str:
+    def _missing_message(self, point: Point | MtpPoint) -> str:
+        if isinstance(point, MtpPoint):
+            here = sorted(p.site for p in self._mtp_index if (p.phase, p.step, p.mtp) == (point.phase, point.step,
+                                                                                           point.mtp))
+            lay = f"MTP{point.mtp}"
+            has = (f"the dump has sites {', '.join(here)} at {point.phase}/{lay}" if here
+                   else f"the dump has no {lay} points at {point.phase} step {point.step}")
+            un = self.unavailable()
+            why = un.get(point.key()) or un.get(f"{lay}/{point.site}") or un.get(f"{lay}/*")
+            return f"{point.key()} not in dump {self.path}; " + (f"marked unavailable: {why}; " if why else "") + has
         here = self.sites(point.phase, point.step, point.layer)
         lay = "model" if point.layer is None else f"L{point.layer:02d}"
         if here:

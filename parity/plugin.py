@@ -17,8 +17,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-from parity.replay.session import BUNDLED_DUMPS  # noqa: E402  (checkout or installed data files)
+from parity.replay.session import BUNDLED_DUMPS, target_info  # noqa: E402  (checkout or installed data files)
 RECORD_KEY = "parity_record"
+# `layer` works for every target; `isolated` needs the target's `isolated` capability (external ports often lack it),
+# so a run of both is asked for: `--parity-mode layer,isolated` (CI: tests/test_parity_modes.py)
+DEFAULT_MODES = "layer"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -29,9 +32,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="checkpoint directory (default: found by the dump's fingerprint among dumps/ckpt/*)")
     g.addoption("--parity-target", default="reference",
                 help="target: 'reference' (pure-JAX Ling3) or 'package.module:Class' (external adapter)")
-    g.addoption("--parity-mode", default="layer", choices=["layer", "free", "forced", "isolated"],
-                help="layer = teacher forcing per layer; free = run from token ids; forced = layer + forced routing; "
-                     "isolated = each sub-module fed its own dumped inputs")
+    g.addoption("--parity-mode", default=DEFAULT_MODES,
+                help="replay mode(s), comma-separated (default: %(default)s; `layer,isolated` = the layer check and the "
+                     "fine instrument in one run): layer = teacher forcing per layer; free = run from token ids; forced = layer + "
+                     "forced routing; isolated = each sub-module fed its own dumped inputs")
     g.addoption("--parity-tolerances", default=None, help="TOML tolerance rules merged over the defaults")
     g.addoption("--parity-tol", action="append", default=[],
                 help="one rule override, e.g. 'mlp.*:layer:bfloat16:max_ulps=8,hard_ulps=64' (repeatable)")
@@ -45,12 +49,33 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # ------------------------------------------------------------------------------------------ session state
 @dataclass
 class DumpEntry:
+    """One replay of the run: a dump in one mode. `run` names it in test ids, records and the report directory: the
+    dump's label alone when the run has one mode, `label/mode` when it has several."""
+
     path: Path
     label: str
+    mode: str = "layer"
+    run: str = ""
+
+    def __post_init__(self) -> None:
+        self.run = self.run or self.label
 
 
 def _dump_label(path: Path) -> str:
     return path.name.removesuffix(".h5")
+
+
+def parity_modes(config: pytest.Config) -> list[str]:
+    """The `--parity-mode` list, validated (a usage error names the bad mode and the valid ones)."""
+    from parity.replay import MODES
+
+    text = config.getoption("--parity-mode", default=DEFAULT_MODES) or DEFAULT_MODES
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes or len(set(modes)) != len(modes):
+        raise pytest.UsageError(f"--parity-mode {text!r}: expected one or more of {', '.join(MODES)}, comma-separated, "
+                                f"each once")
+    return modes
 
 
 def selected_dumps(config: pytest.Config) -> list[DumpEntry]:
@@ -59,7 +84,9 @@ def selected_dumps(config: pytest.Config) -> list[DumpEntry]:
         paths = [Path(p) for p in given]
     else:
         paths = sorted(BUNDLED_DUMPS.glob("*.h5"))
-    return [DumpEntry(p, _dump_label(p)) for p in paths]
+    modes = parity_modes(config)
+    return [DumpEntry(p, _dump_label(p), m, _dump_label(p) if len(modes) == 1 else f"{_dump_label(p)}/{m}")
+            for p in paths for m in modes]
 
 
 class ParitySession:
@@ -80,11 +107,11 @@ class ParitySession:
         return self.readers[entry.label]
 
     def session(self, entry: DumpEntry):
-        if entry.label in self.errors:
-            msg, fail = self.errors[entry.label]
+        if entry.run in self.errors:
+            msg, fail = self.errors[entry.run]
             pytest.fail(msg, pytrace=False) if fail else pytest.skip(msg)
-        if entry.label in self.sessions:
-            return self.sessions[entry.label]
+        if entry.run in self.sessions:
+            return self.sessions[entry.run]
         from parity.errors import TargetError
         from parity.numerics.tolerances import default_rules, load_rules, parse_overrides
         from parity.replay import ModeError, Session
@@ -98,16 +125,16 @@ class ParitySession:
         try:
             layers = _parse_layers(opt("--parity-layers"))
             s = Session.open(self.reader(entry), opt("--parity-ckpt"), target=opt("--parity-target"),
-                             mode=opt("--parity-mode"), rules=rules,
+                             mode=entry.mode, rules=rules,
                              mesh=getattr(self.config, "_parity_mesh", None),  # mesh built in pytest_configure
                              layers=None if layers is None else sorted(layers))
         except TargetError as e:
-            self.errors[entry.label] = (str(e), False)
+            self.errors[entry.run] = (str(e), False)
             pytest.skip(str(e))
         except ModeError as e:
-            self.errors[entry.label] = (str(e), True)
+            self.errors[entry.run] = (str(e), True)
             pytest.fail(str(e), pytrace=False)
-        self.sessions[entry.label] = s
+        self.sessions[entry.run] = s
         return s
 
     def records(self, entry: DumpEntry, layer) -> dict:
@@ -115,21 +142,13 @@ class ParitySession:
         None); free mode replays the whole model once."""
         from parity.replay import judge, observe, observe_free
 
-        key = (entry.label, layer if self.config.getoption("--parity-mode") != "free" else "free")
+        key = (entry.run, layer if entry.mode != "free" else "free")
         if key not in self.replays:
             s = self.session(entry)
             obs = observe_free(s) if s.mode == "free" else observe(s, layer)
             recs = [r.to_json() for r in judge(s, obs)]
             self.replays[key] = {(r["phase"], r["step"], r["layer"], r["site"]): r for r in recs}
         return self.replays[key]
-
-
-def target_info(target) -> dict:
-    """`target.describe()` for the report header; a failing describe() is said, never loses the report."""
-    try:
-        return target.describe()
-    except Exception as e:  # noqa: BLE001
-        return {"error": f"describe() failed: {e}"}
 
 
 def _session(config) -> ParitySession:
@@ -161,7 +180,7 @@ def parity_params(config: pytest.Config) -> list:
         try:
             dump = sess.reader(entry)
         except ParityError as e:
-            params.append(pytest.param(entry, None, None, id=f"{entry.label}/unreadable",
+            params.append(pytest.param(entry, None, None, id=f"{entry.run}/unreadable",
                                        marks=pytest.mark.parity_error(str(e))))
             continue
         cfg = dump.config
@@ -173,12 +192,12 @@ def parity_params(config: pytest.Config) -> list:
             ph = "prefill" if phase == "prefill" else f"decode_{step}"
             for site in ("embed", "final_norm", "logits"):
                 params.append(pytest.param(entry, (phase, step, None, site), None,
-                                           id=f"{entry.label}/{ph}/model/{site}",
+                                           id=f"{entry.run}/{ph}/model/{site}",
                                            marks=_xdist_group(entry, None)))
             for i in layers:
                 for site in sites_for_config(cfg, i, recorded_inputs=True):
                     params.append(pytest.param(entry, (phase, step, i, site), i,
-                                               id=f"{entry.label}/{ph}/layer_{i}/{site}",
+                                               id=f"{entry.run}/{ph}/layer_{i}/{site}",
                                                marks=_xdist_group(entry, i)))
     return params
 
@@ -188,7 +207,7 @@ def _xdist_group(entry: DumpEntry, layer: int | None):
     `load` each worker would replay every layer again). The mark serves an explicit `--dist loadgroup` where pytest
     keeps xdist's id suffix (< 9.2); by default the scheduler reads the same group from the test id
     (parity/xdist_groups.py). Per layer, not per dump, so a big dump's layers still spread over the workers."""
-    return pytest.mark.xdist_group(f"parity:{entry.label}:{'model' if layer is None else f'L{layer:02d}'}")
+    return pytest.mark.xdist_group(f"parity:{entry.run}:{'model' if layer is None else f'L{layer:02d}'}")
 
 
 def _dist_given(config: pytest.Config) -> bool:
@@ -207,6 +226,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # layer: group them per (dump, layer) instead (parity/xdist_groups.py); another explicit --dist is the user's.
     dist = getattr(config.option, "dist", "no")
     config._parity_group_layers = (dist == "load" and not _dist_given(config)) or dist == "loadgroup"
+    if config.getoption("--parity-mode", default=None) is not None:
+        parity_modes(config)  # a bad mode is one usage error up front
     spec = config.getoption("--parity-mesh", default=None)
     if spec:  # a bad mesh is one usage error up front, not a failure in every test
         from parity.jax_ling3.sharding import mesh_from_spec
@@ -264,7 +285,7 @@ def run_point(request: pytest.FixtureRequest, entry: DumpEntry, point: tuple, la
         phase, step, lay, site = point
         rec = {"phase": phase, "step": step, "layer": lay, "site": site, "status": "missing",
                "reason": "the replay produced no record for this point"}
-    rec = dict(rec, dump=entry.label)
+    rec = dict(rec, dump=entry.run)
     request.node.user_properties.append((RECORD_KEY, json.dumps(rec, default=_jsonable)))
     status = rec["status"]
     if status == "skipped":
@@ -304,7 +325,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
 
     out_root = Path(config.getoption("--parity-report"))
     built, skipped = [], []
-    entries = {e.label: e for e in selected_dumps(config)}
+    entries = {e.run: e for e in selected_dumps(config)}
     for label, recs in sorted(_RECORDS.items()):
         entry = entries.get(label)
         try:
@@ -315,7 +336,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
         for r in recs:
             r.pop("dump", None)
         rep = build_report(cfg, recs, dump=str(entry.path), target=config.getoption("--parity-target"),
-                           mode=config.getoption("--parity-mode"))
+                           mode=entry.mode)
         sess = _session(config).sessions.get(label)  # this process's session (absent on an xdist controller)
         if sess is not None:  # protocol v2: what actually ran, in the report header
             rep["target_info"] = target_info(sess.target)

@@ -54,7 +54,9 @@ def _s(name, kind, inputs, cls, **kw) -> Site:
 _QKV_PROJ = [_s(f"attention.{p}_proj", "kda", ["input_layernorm"], "projection") for p in "qkv"]
 _CONV = [_s(f"attention.{p}_conv1d", "kda", [f"attention.{p}_proj"], "conv", carry=["attention.conv_state"])
          for p in "qkv"]  # after conv + SiLU
-_MLA_KV = ["attention.kv_b_proj", "attention.kv_a_proj_with_mqa"]
+# MLA keys/values: expanded (kv_b_proj; naive form), their RoPE part (kv_a_proj_with_mqa[..., c:]) and the normalised
+# latent (kv_a_layernorm) the absorbed decode form attends over (facts §4.5)
+_MLA_KV = ["attention.kv_b_proj", "attention.kv_a_proj_with_mqa", "attention.kv_a_layernorm"]
 
 # Declaration order is execution order within a layer (DESIGN §3).
 SITE_GRAPH: tuple[Site, ...] = (

@@ -14,8 +14,9 @@ import re
 
 from xdist.scheduler import LoadGroupScheduling
 
-# the id the plugin gives a parity point (parity/plugin.py parity_params); dump labels are file names (no "/")
-_POINT_ID = re.compile(r"::test_point\[(?P<dump>[^/]+)/(?:prefill|decode_\d+)/(?P<layer>layer_\d+|model)/[^/]+\]$")
+# the id the plugin gives a parity point (parity/plugin.py parity_params): `<run>/<phase>/<layer>/<site>`, where the
+# run is a dump label (a file name) or `<label>/<mode>` when one pytest run replays several modes
+_POINT_ID = re.compile(r"::test_point\[(?P<dump>.+?)/(?:prefill|decode_\d+)/(?P<layer>layer_\d+|model)/[^/]+\]$")
 
 
 def point_group(nodeid: str) -> str | None:

@@ -64,7 +64,7 @@ def test_nice_and_floor_for():
 def _pt(site="attention.core", mode="layer", dtype="bfloat16", compute="bfloat16", need_p999=1.0, need_p99=1.0,
         frac_over2=0.0, max_eff=0, rtol_need=0.0, corpus="c", layer=0):
     by_floor = {str(F): {"max": max_eff, "p99": 0, "p999": 0, "frac_over": {str(k): frac_over2 if k == 2 else 0.0
-                                                                       for k in C.KS}} for F in C.FLOORS}
+                                                                       for k in C.KS}} for F in C.FLOORS_FP32}
     return {"corpus": corpus, "mode": mode, "phase": "prefill", "step": 0, "layer": layer, "site": site,
             "class": C.site_class(site), "dtype": dtype, "compute": compute, "n": 1000, "max_ulp_raw": max_eff,
             "floor_needed": need_p999, "floor_needed_p99": need_p99, "floor_needed_p999": need_p999,
@@ -108,8 +108,32 @@ def test_propose_free_and_fp32_and_mixed_rules():
     assert fp32.fields["floor_ulps"] == 256 and fp32.fields["rtol"] == 1e-5 and fp32.fields["max_ulps"] == "off"
     fp32_small, _ = C.propose_rule([_pt(dtype="float32", compute="float32", rtol_need=0.5)])
     assert fp32_small.fields["floor_ulps"] == C.MINIMUMS["fp32_floor_ulps"]
-    mixed, _ = C.propose_rule([_pt(site="mlp.gate.logits", dtype="float32")])
-    assert mixed.fields["compare_dtype"] == "bfloat16"
+    # an fp32 tensor of a bf16 run: a ULP rule on its own (fp32) grid, never rounded to bf16 first (issue 15)
+    mixed, _ = C.propose_rule([dict(_pt(site="mlp.gate.logits", dtype="float32", need_p999=3000), grid="float32")])
+    assert mixed.fields["compare_dtype"] == "off" and mixed.fields["floor_ulps"] == 8192
+    assert mixed.fields["max_ulps"] == 2 and mixed.fields["rtol"] == "off"
+
+
+def test_propose_isolated_rule_is_the_fine_instrument():
+    """Isolated mode: the smallest max_ulps the noise allows (≥ 1), a per-element hard limit where the measured
+    maximum allows one, and a ULP rule also for fp32 runs (not the rtol-1e-5 tier)."""
+    pts = [_pt(mode="isolated", need_p999=0.5, frac_over2=0.0, max_eff=1)]
+    for p in pts:  # p99.9 of the effective ULP distance 0, max 1
+        for F in p["by_floor"].values():
+            F["p999"] = 0
+    rule, F = C.propose_rule(pts)
+    assert F == 1 and rule.fields["max_ulps"] == 1 and rule.fields["hard_ulps"] == 4  # hard: max(4, M, 2·1)
+    assert rule.fields["allowed_fraction"] == 0.001
+    noisy = [_pt(mode="isolated", need_p999=0.5, max_eff=3000)]
+    for F in noisy[0]["by_floor"].values():
+        F["p999"] = 3
+    r2, _ = C.propose_rule(noisy)
+    assert r2.fields["max_ulps"] == 8 and r2.fields["hard_ulps"] == 6144  # 2·3 = 6 → 8; 2·3000 → nice 6144
+    r3, _ = C.propose_rule([_pt(mode="isolated", max_eff=20000)])
+    assert r3.fields["hard_ulps"] == "off"  # above HARD_OFF_ABOVE
+    fp32, _ = C.propose_rule([dict(_pt(mode="isolated", dtype="float32", compute="float32", need_p999=10),
+                                   grid="float32")])
+    assert fp32.fields["rtol"] == "off" and fp32.fields["floor_ulps"] == 32 and fp32.fields["max_ulps"] >= 1
 
 
 def test_aggregate_reports_worst_and_where():
@@ -125,7 +149,7 @@ def test_rules_toml_round_trip_and_precedence():
     pts = [_pt(need_p999=10), _pt(mode="free", need_p99=30), _pt(site="input", need_p999=1),
            _pt(dtype="float32", compute="float32", rtol_need=100), _pt(mode="twin_vs_native", need_p999=1e4)]
     rules, floors = C.propose_rules(pts)
-    assert all(r.mode in ("layer", "free") for r in rules)  # cross-checks do not define rules
+    assert all(r.mode in ("layer", "free", "isolated") for r in rules)  # cross-checks do not define rules
     table = _parse_text(C.rules_toml(rules, "# test header"), "test")
     assert table.rule_for("attention.core", "layer", "bfloat16", "bfloat16").floor_ulps == 32
     assert table.rule_for("attention.core", "forced", "bfloat16", "bfloat16").floor_ulps == 32

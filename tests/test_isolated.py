@@ -35,24 +35,11 @@ KDA, MLA = 0, 3  # Tiny layout KKKM: layer 0 KDA + dense MLP, layer 3 MLA + MoE 
 STEPS = [("prefill", 0)] + [("decode", k) for k in (1, 2, 3, 4)]
 
 
-# Proposed `isolated` rules for bf16 runs (see the module docstring and the report; not in the default table yet, so
-# applied here as overrides): floor 1 ULP of the row RMS, ≤ 0.1 % above 2 ULP, none above 4 — from the measured
-# worst case after a 1-ULP floor of 2 ULP (norms) / 1 ULP (KDA core) on both bf16 golden dumps. The SwiGLU sites
-# (mlp.down_proj, mlp.routed, mlp.shared_experts) keep the default rules: XLA's excess precision leaves silu(g)
-# unrounded before ⊙ u, up to 211 ULP at near-zero elements after the floor (report).
-TIGHT_SITES = ("input_layernorm", "post_attention_layernorm", "attention.*", "mlp.gate_proj", "mlp.up_proj",
-               "mlp.gate.*", "mlp", "output")
-
-
 def isolated_rules():
-    from parity.numerics.tolerances import parse_override
-
-    rules = default_rules()
-    for site in TIGHT_SITES:
-        rules = rules.merged(parse_override(
-            f"{site}:isolated:*:compute=bfloat16,floor_ulps=1,max_ulps=2,allowed_fraction=0.001,hard_ulps=4,"
-            "rtol=off,atol=off"))
-    return rules
+    """The default table: since issue 15 it holds `isolated` rules calibrated per site class (tools/calibrate.py),
+    tighter than the proposal above for bf16 tensors (max 1 ULP on ≤ 0.1 %, hard 4), with fp32 tensors of the bf16
+    run compared in fp32."""
+    return default_rules()
 
 
 def _replay(target: ReferenceTarget, layer: int) -> list[dict]:
@@ -118,6 +105,8 @@ def test_measured_bounds(clean, cfg, layer):
         if r.get("max_ulp_raw") is None:
             continue
         cls = site_class(r["site"])
+        if r.get("dtype") != "bfloat16":
+            continue  # fp32 tensors are compared in fp32 since issue 15: a few fp32 ULPs, judged by the calibrated rule
         if cls == "projection":
             assert r["max_ulp_raw"] <= 1, (r["phase"], r["step"], r["site"], r["max_ulp_raw"])
         elif cls in exact_classes or r["site"] in exact_sites:

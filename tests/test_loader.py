@@ -202,34 +202,6 @@ def test_repair_records_and_fixes_garbage(twin_own):
 
 
 # ----------------------------------------------------------------------------------------------- causality
-def test_causality_passes_for_eager(twin_own, native_flash):
-    ids = _ids(70, seed=2)  # > 64 tokens: prefixes ≤ 64 use the recurrent KDA path, the full prompt the chunked one
-    for lm in (twin_own, native_flash):
-        res = L.check_causality(lm.model, ids, prefix_lengths=[1, 40, 69])
-        assert res["passed"] and res["causal"] and res["prefix_lengths"] == [1, 40, 69]
-        assert res["max_abs_diff"] <= res["rtol"] * res["logit_scale"]
-        json.dumps(res)
-
-
-def test_causality_fails_for_the_noncausal_sdpa_quirk():
-    """Built directly (bypassing the loader's eager guard): sdpa + the twin's reproduction of the official
-    bidirectional MLA (ORC §2). The prefix test must raise."""
-    from transformers import AutoModelForCausalLM
-
-    with _env(LING3_TWIN_KERNELS="torch"):
-        bad = AutoModelForCausalLM.from_pretrained(TINY, trust_remote_code=True, dtype=torch.float32,
-                                                   attn_implementation="sdpa", twin_quirk_noncausal_sdpa=True,
-                                                   local_files_only=True).eval()
-    assert bad.config._attn_implementation == "sdpa"
-    with pytest.raises(ParityError, match="not causal"):
-        L.check_causality(bad, _ids(30))
-
-
-def test_check_causality_bad_input(twin_own):
-    with pytest.raises(ParityError, match="T ≥ 2"):
-        L.check_causality(twin_own.model, torch.tensor([[5]]))
-
-
 # ----------------------------------------------------------------------------------------------- decode positions
 def test_decode_positions_and_manual_decode(twin_stand_ins):
     p = L.decode_positions(7, 3, batch=2)

@@ -57,16 +57,16 @@ def mut_dumps(tmp_path_factory):
     out = out.parent if os.environ.get("PYTEST_XDIST_WORKER") else out
     made: dict[str, str] = {}
 
-    def get(preset: str) -> str:
-        if preset not in made:
-            path = out / f"mut-{preset}-{DTYPE}.h5"
+    def get(preset: str, dtype: str = DTYPE) -> str:
+        if (preset, dtype) not in made:
+            path = out / f"mut-{preset}-{dtype}.h5"
             with FileLock(str(path) + ".lock"):
                 if not path.exists():
                     cfg = Ling3Config.from_pretrained_dir(_ckpt(preset), strict=False)
                     dump_checkpoint(_ckpt(preset), path, builtin_ids(cfg.vocab_size, PROMPT_LEN, 0),
-                                    DumpOptions(dtype=DTYPE, decode_steps=DECODE_STEPS, progress=False))
-            made[preset] = str(path)
-        return made[preset]
+                                    DumpOptions(dtype=dtype, decode_steps=DECODE_STEPS, progress=False))
+            made[(preset, dtype)] = str(path)
+        return made[(preset, dtype)]
 
     return get
 
@@ -95,7 +95,11 @@ def _matches(src: dict, exp) -> bool:
     return (src["phase"], src["step"], src["layer"]) == (exp.phase, exp.step, exp.layer) and src["site"] in exp.sites
 
 
-@pytest.mark.parametrize("name", sorted(MUTATIONS))
+PORTING = sorted(n for n, m in MUTATIONS.items() if m.cls == "porting")
+FINE = sorted(n for n, m in MUTATIONS.items() if m.cls != "porting")  # test_fine_mutation_detected_and_pinned
+
+
+@pytest.mark.parametrize("name", PORTING)
 def test_mutation_detected_and_localised(name, mut_dumps, baselines):
     from parity.dumpfile import DumpReader
     from parity.replay import run_replay
@@ -192,3 +196,60 @@ def test_mutant_layer_differs_and_reference_stays_clean():
     np.testing.assert_allclose(mut["attention.beta"], ref1["attention.b_proj"], rtol=0, atol=0)
     for k in ref1:
         np.testing.assert_array_equal(ref1[k], ref2[k], err_msg=k)
+
+
+# ------------------------------------------------------------------------------------------------ fine numerics
+# Issue 15: the precision-placement and sub-tolerance bugs must be detected and pinned to their own site on fp32 AND
+# bf16 dumps. Which (dtype, mode) does not do so yet with the default table — measured with `python -m pytest
+# tests/test_mutations.py -k fine` (the matrix in the README) — is a strict xfail with the reason, so a mode that
+# starts to pin the bug turns into a failure that asks for this table to be updated.
+LAYER_BF16 = ("not pinned in layer mode on bf16: the bug moves 30-50 % of the site's elements by 1-3 ULP, below the "
+              "layer-mode bf16 rules (floor 8-16 ULP of the row RMS, 2 ULP on ≤ 0.1 %); isolated mode pins it")
+ONE_ULP = ("in a bf16 run the bug moves its site by ≤ 1 ULP per element (the rest bit-exact): below isolated bf16's "
+           "'max 1 ULP on ≤ 0.1 %' — needs a calibrated criterion on the fraction of non-exact elements (max_ulps 0)")
+NOT_PINNED_TODAY = {  # (mutant, dtype, mode) -> why the default table does not pin it yet; everything else must pin
+    ("mla_lora_norm_eps", "float32", "layer"): "layer mode's fp32 tier is 1e-5·|ref| per element; the bug moves "
+                                               "q_a/kv_a_layernorm by ~5e-6 (rel-L2); isolated fp32 pins it",
+    ("mla_lora_norm_eps", "bfloat16", "layer"): LAYER_BF16,
+    ("mla_lora_norm_eps", "bfloat16", "isolated"): ONE_ULP + " (99.6 % of q_a_layernorm bit-exact, rel-L2 3e-4)",
+    ("moe_combine_bf16", "bfloat16", "layer"): LAYER_BF16,
+    ("moe_combine_bf16", "bfloat16", "isolated"): ONE_ULP,
+    ("kda_o_norm_weight_bf16", "bfloat16", "layer"): LAYER_BF16,
+    ("moe_router_bf16", "bfloat16", "layer"): LAYER_BF16 + " (router logits: the input norm differs by 1 bf16 ULP "
+                                                           "in layer mode, hiding the bf16 GEMM)",
+    ("norm_stats_bf16", "bfloat16", "layer"): LAYER_BF16,
+}
+
+
+def _fine_cases():
+    for n in FINE:
+        for dtype in ("float32", "bfloat16"):
+            for mode in ("layer", "isolated"):
+                why = NOT_PINNED_TODAY.get((n, dtype, mode))
+                marks = () if why is None else (pytest.mark.xfail(strict=True, reason=why),)
+                yield pytest.param(n, dtype, mode, marks=marks, id=f"{n}-{dtype}-{mode}")
+
+
+@pytest.mark.parametrize("name, dtype, mode", list(_fine_cases()))
+def test_fine_mutation_detected_and_pinned(name, dtype, mode, mut_dumps):
+    """Detected (the replay fails, at the expected point) and pinned (first_divergence.source is that point) on a
+    dump of `dtype` in `mode`; the correct target passes the same replay (so the pin is not a tolerance artefact)."""
+    from parity.dumpfile import DumpReader
+    from parity.replay import run_replay
+
+    m: Mutation = MUTATIONS[name]
+    dump = mut_dumps(m.preset, dtype)
+    with DumpReader(dump) as r:
+        cfg = r.config
+    exp = m.expected(cfg)
+    layers = list(range(exp.layer + 1))
+    base = run_replay(dump, _ckpt(m.preset), mode=mode, layers=layers)
+    assert base["passed"], f"correct target fails {dtype} {mode}: {base['first_divergence']}"
+    report = run_replay(dump, _ckpt(m.preset), target=MutantTarget(name, ckpt_dir=_ckpt(m.preset)), mode=mode,
+                        layers=layers)
+    recs = {_key(p): p for p in report["points"]}
+    hits = [recs.get((exp.phase, exp.step, exp.layer, s)) for s in exp.sites]
+    assert not report["passed"], f"{name} ({dtype}, {mode}): replay passed with the bug injected"
+    assert any(h is not None and h["status"] == "fail" for h in hits), f"{name}: expected point {exp} passes"
+    src = report["first_divergence"]["source"]
+    assert _matches(src, exp), f"{name} ({dtype}, {mode}): source {src}, expected {exp}"

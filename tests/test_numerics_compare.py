@@ -94,7 +94,26 @@ def test_allowed_fraction_and_min_passing():
     steps[500] = 0
     assert compare(ref, bf16_steps(ref, steps), rule(floor=1, max_ulps=2, frac=0.001)).passed
     assert "Mismatched elements: 2 / 1000 (0.2%) above 2 ULP" in v.message()
-    assert "Would pass with max_ulps ≥ 3" in v.message()
+    assert "Would pass only with all of:\n  - max_ulps ≥ 3 (with any allowed_fraction" in v.message()
+
+
+def test_would_pass_hint_names_the_fraction_and_the_outliers_it_hides():
+    """Issue 15: "Would pass with max_ulps ≥ 94" next to a 32,364-ULP maximum hid the outliers. The hint must give
+    the ULP limit together with the allowed fraction, and the limit with no element above it."""
+    ref = positive_bf16((1000,))
+    steps = np.zeros(1000, np.int64)
+    steps[:5] = 4  # five elements 4 ULP off ...
+    steps[5] = 90  # ... and one outlier 90 ULP off; 0.1 % of 1000 = 1 element may be above max_ulps
+    v = compare(ref, bf16_steps(ref, steps), rule(floor=0, max_ulps=2, frac=0.001, hard=None))
+    assert not v.passed and v.min_passing_max_ulps == 4 and v.max_ulp == 90
+    msg = v.message()
+    assert ("max_ulps ≥ 4 with allowed_fraction 0.1% (which lets ≤ 1 element stay above 4 ULP: the largest is 90 ULP); "
+            "with every element within the limit: max_ulps ≥ 90") in msg
+    # both statements are true: 4 at 0.1 % passes, 3 does not; 90 at 0 % passes, 89 does not
+    assert compare(ref, bf16_steps(ref, steps), rule(floor=0, max_ulps=4, frac=0.001, hard=None)).passed
+    assert not compare(ref, bf16_steps(ref, steps), rule(floor=0, max_ulps=3, frac=0.001, hard=None)).passed
+    assert compare(ref, bf16_steps(ref, steps), rule(floor=0, max_ulps=90, frac=0.0, hard=None)).passed
+    assert not compare(ref, bf16_steps(ref, steps), rule(floor=0, max_ulps=89, frac=0.0, hard=None)).passed
 
 
 def test_hard_limit():
@@ -195,6 +214,28 @@ def test_fp32_compared_in_bf16_is_rounded_first():
     assert not v.passed and v.dtype == "float32" and v.max_ulp == 8389
 
 
+def test_fp32_tensor_of_a_bf16_run_compared_in_the_precision_it_was_computed_in():
+    """Issue 15: a router GEMM run in bf16 (a precision-placement bug) moves fp32 logits by ≤ ½ bf16 ULP. Rounded to
+    bf16 first (compare_dtype bfloat16) both sides are equal; compared in fp32 — the precision the reference computed
+    them in, `comparison_grid` — the bug is plain, while fp32 accumulation-order noise stays far below the limit."""
+    from parity.numerics import comparison_grid
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((40, 64)).astype(BF16).astype(np.float64)
+    w = (rng.standard_normal((64, 16)) / 8).astype(BF16).astype(np.float64)
+    ref = (x @ w).astype(np.float32)  # fp32 logits of bf16 inputs (exact up to fp32 rounding)
+    bug = ref.astype(BF16).astype(np.float32)  # the GEMM's result rounded to bf16, then upcast
+    perm = (x[:, ::-1] @ w[::-1]).astype(np.float32)  # a correct implementation: another accumulation order
+    fine = rule(floor=16, max_ulps=8, frac=0.001, hard=None)  # an fp32-grid rule of the calibrated kind
+    assert comparison_grid(np.float32, fine) == "float32" and comparison_grid("float32") == "float32"
+    coarse = rule(floor=16, max_ulps=8, frac=0.001, hard=None, compare_dtype="bfloat16")
+    assert comparison_grid(np.float32, coarse) == "bfloat16"
+    assert compare(ref, bug, coarse).passed and compare(ref, bug, coarse).max_ulp_raw == 0  # erased by the rounding
+    v = compare(ref, bug, fine)
+    assert v.dtype == "float32" and not v.passed and v.max_ulp > 1000
+    assert compare(ref, perm, fine).passed
+
+
 def test_test_side_in_a_wider_dtype_is_rounded_to_the_reference_dtype():
     ref = np.array([1.0], BF16)
     assert compare(ref, np.float32([1 + 2**-9]), rule(floor=0, max_ulps=0, frac=0, hard=0)).passed
@@ -256,6 +297,72 @@ def test_rtol_atol_tier():
     test[0, 3] = 1.1e-3  # |Δ| 1e-4, 10 % relative, row RMS ≈ 50
     assert not compare(ref, test, rule(**fp32)).passed
     assert compare(ref, test, rule(**(fp32 | {"floor": 2048}))).passed  # 2048 fp32 ULP of 50 ≈ 7.8e-3
+
+
+# ------------------------------------------------------------------------------------------- per-element safety bound
+def _activation(seed=0, shape=(4, 64)):
+    """bf16 rows with RMS ≈ 1 (normal samples)."""
+    return np.random.default_rng(seed).standard_normal(shape).astype(BF16)
+
+
+@pytest.mark.parametrize("garbage", [3e38, -3e38, 7.0])
+def test_safety_bound_fails_finite_garbage_the_fraction_would_let_through(garbage):
+    """Issue 14: up to allowed_fraction of the elements could be *anything finite* (3e38 in 2 elements passed; one
+    element 0.625 -> 7.0 passed). With bound_rms the fraction no longer covers elements beyond bound_rms·row RMS."""
+    ref = _activation(shape=(8, 256))
+    test = ref.copy()
+    n_bad = 1 if garbage == 7.0 else 2
+    test[3, 17] = 0.625 if garbage == 7.0 else ref[3, 17]
+    ref[3, 17] = test[3, 17]
+    test[3, 17] = garbage
+    if n_bad == 2:
+        test[6, 200] = garbage
+    loose = dict(floor=16, max_ulps=2, frac=0.01, hard=None)  # 1 % of 2048 = 20 elements may be above 2 ULP
+    assert compare(ref, test, rule(**loose)).passed  # the gap: without the bound this passes
+    rms3 = float(np.sqrt(np.mean(ref[3].astype(np.float64) ** 2)))
+    v = compare(ref, test, rule(**loose, bound_rms=0.5))
+    assert not v.passed and v.n_bound == n_bad and v.bound_index == (3, 17)
+    assert v.bound_ref == float(ref[3, 17]) and v.bound_test == float(np.float32(garbage).astype(BF16))
+    assert v.max_diff_rms == pytest.approx(abs(float(test[3, 17]) - float(ref[3, 17])) / rms3, rel=1e-6)
+    msg = v.message()
+    assert f"beyond the per-element safety bound |Δ| ≤ 0.5×row RMS: {n_bad} / 2048" in msg
+    assert "bound_rms ≥" in msg and "no correct implementation" in msg
+    json.dumps(v.to_dict(), allow_nan=False)
+
+
+def test_safety_bound_limit_is_exact_and_the_floor_always_passes():
+    ref = np.full((1, 64), 1.0, BF16)  # RMS exactly 1
+    test = ref.copy()
+    test[0, 5] = 1.5  # |Δ| = 0.5 row RMS
+    r = dict(floor=1, max_ulps=2, frac=0.1, hard=None)
+    assert compare(ref, test, rule(**r, bound_rms=0.5)).passed
+    v = compare(ref, test, rule(**r, bound_rms=0.4921875))
+    assert not v.passed and v.n_bound == 1 and v.max_diff_rms == 0.5
+    # within the absolute floor passes even where bound_rms·RMS is smaller (floor 64 ULP of 1 = 0.5)
+    assert compare(ref, test, rule(**(r | {"floor": 64}), bound_rms=0.01)).passed
+
+
+def test_safety_bound_on_a_zero_row_and_off():
+    ref = np.zeros((2, 8), BF16)
+    ref[0] = 1.0
+    test = ref.copy()
+    test[1, 3] = 1e-3  # a row whose reference is all zero has no scale: any difference is beyond every bound
+    v = compare(ref, test, rule(floor=1, max_ulps=2, frac=0.1, hard=None, bound_rms=1e6))
+    assert not v.passed and v.n_bound == 1 and v.max_diff_rms == math.inf and v.bound_index == (1, 3)
+    json.dumps(v.to_dict(), allow_nan=False)
+    v = compare(ref, test, rule(floor=1, max_ulps=2, frac=0.1, hard=None))  # bound off: the fraction allows it
+    assert v.passed and v.n_bound == 0 and v.max_diff_rms == math.inf
+
+
+def test_safety_bound_with_the_fp32_tier():
+    ref = np.float32(np.random.default_rng(1).standard_normal((4, 32)))
+    ref[2, 2] = 0.75
+    test = ref.copy()
+    test[2, 2] += 1e-3  # allowed by rtol 1e-2, beyond a 1e-4 row-RMS bound
+    fp32 = dict(floor=16, max_ulps=None, frac=0, hard=None, rtol=1e-2)
+    assert compare(ref, test, rule(**fp32)).passed
+    v = compare(ref, test, rule(**fp32, bound_rms=1e-4))
+    assert not v.passed and v.n_bound == 1 and v.bound_index == (2, 2)
 
 
 # ------------------------------------------------------------------------------------------- never raises on values

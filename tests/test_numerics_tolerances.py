@@ -37,8 +37,11 @@ def test_default_table_is_calibrated_and_resolves():
         for dtype, compute in (("bfloat16", "bfloat16"), ("float32", "bfloat16"), ("float32", "float32")):
             r = t.rule_for("mlp.down_proj", mode, dtype, compute)
             assert r.max_ulps is not None or r.rtol is not None, (mode, dtype, compute)
-    # fp32 tensors of a bf16 run are judged on the bf16 grid; the fp32 tier (compute float32) on its own grid
-    assert t.rule_for("mlp.gate.logits", "layer", "float32", "bfloat16").compare_dtype == "bfloat16"
+    # every tensor is judged in the precision it was computed in: fp32 tensors of a bf16 run on the fp32 grid
+    # (issue 15; never rounded to bf16 first), the fp32 tier (compute float32) on its own grid
+    for mode in ("layer", "forced", "free", "isolated"):
+        for dtype, compute in (("bfloat16", "bfloat16"), ("float32", "bfloat16"), ("float32", "float32")):
+            assert t.rule_for("mlp.gate.logits", mode, dtype, compute).compare_dtype is None, (mode, dtype, compute)
     tier = t.rule_for("mlp.gate.logits", "layer", "float32", "float32")
     assert tier.compare_dtype is None and tier.rtol == 1e-5
 

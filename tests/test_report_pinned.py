@@ -2,8 +2,13 @@
 *before* the refactor produced (commit 99c16a3, `run_replay("dumps/tiny-flash-bf16.h5", layers=[2, 5])`, written by
 that code to `tests/data/report_tiny-flash-bf16_layer_L2_L5.json`). The expected file was not produced by the code
 under test; its only claim is "same as before". Layers: 2 = KDA + MoE with a benign routing flip (so the forced
-re-run and `forced_routing` points are pinned), 5 = MLA + MoE (`attention.dense:in`). Reports carry no timing
-fields; should one be added, drop it in `_strip`. A deliberate behaviour change regenerates the file and says why.
+re-run and `forced_routing` points are pinned), 5 = MLA + MoE (`attention.dense:in`).
+
+Deliberate changes since, which this test allows and nothing else (issue 15): an fp32 tensor of a bf16 run is
+compared on the fp32 grid it was computed on (it was rounded to bf16 first), the tolerance rules were recalibrated
+and carry the per-element safety bound (new fields), and reports carry `target_info` (protocol v2). So: the same
+points, the same verdicts, and on every point whose comparison grid did not change the same floor-independent
+statistics; the points whose grid changed are exactly the fp32 tensors.
 """
 
 from __future__ import annotations
@@ -26,16 +31,29 @@ def _strip(x):
     return x
 
 
+FLOOR_INDEPENDENT = ("status", "max_abs_diff", "max_abs_index", "rel_l2", "cosine", "frac_exact", "frac_le1_ulp",
+                     "forced_routing", "nan_inf_mismatches", "shape", "n")
+
+
 def test_report_identical_to_before_the_refactor():
     rep = run_replay(ROOT / "dumps" / "tiny-flash-bf16.h5", layers=[2, 5])
     rep["dump"] = "dumps/tiny-flash-bf16.h5"
     got, want = _strip(json.loads(json.dumps(rep, default=str))), _strip(json.loads(EXPECTED.read_text()))
-    assert got.keys() == want.keys()
+    assert set(got) - set(want) <= {"target_info"} and set(want) <= set(got)
     for k in want:
         if k != "points":
             assert got[k] == want[k], k
     assert [(p["phase"], p["step"], p["layer"], p["site"]) for p in got["points"]] == \
         [(p["phase"], p["step"], p["layer"], p["site"]) for p in want["points"]]
+    regridded = 0
     for g, w in zip(got["points"], want["points"]):
-        assert g == w, (g["phase"], g["step"], g["layer"], g["site"])
+        where = (g["phase"], g["step"], g["layer"], g["site"])
+        assert g["status"] == w["status"], where
+        if g.get("dtype") == w.get("dtype"):
+            assert {k: g.get(k) for k in FLOOR_INDEPENDENT if k in w} == \
+                {k: w[k] for k in FLOOR_INDEPENDENT if k in w}, where
+        else:  # compared on its own fp32 grid now, on the bf16 grid before
+            assert (w.get("dtype"), g.get("dtype")) == ("bfloat16", "float32"), where
+            regridded += 1
+    assert regridded > 0  # the tiny-flash bf16 run has fp32 tensors (KDA gate, beta, state, router logits)
     assert any(p.get("forced_routing") for p in want["points"]) and want["counts"].get("benign")

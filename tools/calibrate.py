@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=None, help="keep checkpoints/dumps here (default: a temp dir)")
     ap.add_argument("--from-points", default=None,
                     help="re-aggregate points.json.gz/routing.json.gz of an earlier run in this directory (no corpus)")
+    ap.add_argument("--remeasure", default=None,
+                    help="with --from-points and --workdir: replay the kept corpus dumps again in these modes "
+                         "(comma-separated) and replace their points (the corpus is unchanged)")
     ap.add_argument("--write-defaults", action="store_true",
                     help="also write the proposed table to parity/numerics/default_tolerances.toml")
     a = ap.parse_args(argv)
@@ -63,6 +66,19 @@ def main(argv=None) -> int:
                              runs=json.load(open(src / "measurements.json"))["runs"])
         old = json.load(open(src / "measurements.json"))
         command, date, mach = old["command"], old["date"], old["machine"]
+        if a.remeasure:
+            if not a.workdir:
+                ap.error("--remeasure needs --workdir (the kept corpus of the run that made --from-points)")
+            modes = tuple(m for m in a.remeasure.split(",") if m)
+            meas = C.remeasure(meas, Path(a.workdir), modes,
+                               log=lambda s: print(f"[{time.perf_counter() - t0:6.0f}s] {s}", flush=True))
+            command += (" && python tools/calibrate.py " +
+                        " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])))
+            date = datetime.date.today().isoformat()
+            with gzip.open(Path(a.out) / "points.json.gz", "wt") as f:
+                json.dump(meas.points, f)
+            with gzip.open(Path(a.out) / "routing.json.gz", "wt") as f:
+                json.dump(meas.routing, f)
         # the corpus is the measured one, not this invocation's (default) corpus options
         spec = C.CorpusSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in old["corpus"].items()})
     else:

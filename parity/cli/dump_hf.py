@@ -69,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output HDF5 file (never overwritten without --force)")
     p.add_argument("--runtime", choices=["remote", "native"], default="remote",
                    help="remote: the checkpoint's own code (official file or the twin, see --trust-remote-code); "
-                        "native: transformers' built-in bailing_hybrid (no checkpoint code)")
+                        "native: transformers' built-in bailing_hybrid (no checkpoint code), Flash-shaped only — "
+                        "checkpoints with q-LoRA (q_lora_rank set) or SwiGLU clamp limits are refused before loading; "
+                        "it has no MTP layer")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the checkpoint's own Python files (config.json auto_map: for a real checkpoint the "
                         "official modeling_bailing_moe_v3.py and configuration_bailing_moe_v3.py, and any other .py "
@@ -85,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--ids", action="append", help="token ids, comma-separated; repeatable")
     src.add_argument("--prompt-file", help="text file, one prompt per line")
     src.add_argument("--builtin-prompt", choices=["long", "short"],
-                     help="long: >= 512 position-sensitive tokens (default); short: <= 64 tokens")
+                     help="long (default): 320 position-sensitive tokens of the checkpoint's tokenizer (five 64-token "
+                          "KDA chunks); short: 40 built-in ids (<= 64: the recurrent KDA path)")
     src.add_argument("--prompt-len", type=_int_at_least(1),
                      help="built-in deterministic ids of this length (recurring motif, seed --seed) instead")
     p.add_argument("--decode-steps", type=_int_at_least(0), default=4)
@@ -105,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def collect_ids(args, ckpt: Path, vocab_size: int) -> list[list[int]]:
-    from parity.torch_ref.prompts import builtin_ids, builtin_long_text
+    from parity.torch_ref.prompts import DEFAULT_LONG_TOKENS, builtin_ids, builtin_long_ids
 
     texts: list[str] = list(args.prompt or [])
     if args.prompt_file:
@@ -128,9 +131,11 @@ def collect_ids(args, ckpt: Path, vocab_size: int) -> list[list[int]]:
                 raise ParityError(f"{ckpt}: cannot load a tokenizer for --prompt ({type(e).__name__}); use --ids") from None
     if builtin == "long":
         if tokenizer is not None:
-            seqs.append(tokenizer(builtin_long_text(), add_special_tokens=False)["input_ids"])
+            seqs.append(builtin_long_ids(tokenizer, DEFAULT_LONG_TOKENS))
+            print(f"prompt: built-in long text, {DEFAULT_LONG_TOKENS} tokens of the tokenizer in {ckpt}", flush=True)
         else:
-            seqs.append(builtin_ids(vocab_size, 520).tolist()[0])
+            seqs.append(builtin_ids(vocab_size, DEFAULT_LONG_TOKENS).tolist()[0])
+            print(f"prompt: built-in ids, {DEFAULT_LONG_TOKENS} tokens (no tokenizer in {ckpt})", flush=True)
     elif builtin == "short":
         seqs.append(builtin_ids(vocab_size, 40).tolist()[0])
     for t in texts:
@@ -178,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # transformers' own "Loading weights" bar too
+        if args.runtime == "native":
+            from parity.torch_ref.dump import check_native_supports
+
+            check_native_supports(cfg, ckpt)  # before tokenizing or loading anything
         seqs = collect_ids(args, ckpt, cfg.vocab_size)
         for note in clean_stale_temp_files(out):
             print(f"dump_hf: note: {note}", file=sys.stderr)
@@ -206,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
           f"load {summary.seconds_load:.1f}s, forward+capture {summary.seconds_forward:.1f}s)")
     if summary.unavailable:
         print(f"  {len(summary.unavailable)} point(s) unavailable in this runtime (recorded in the file)")
+    if summary.semantics is not None:
+        from parity.semantics import summarize
+
+        print(f"  {summarize(summary.semantics)}")
     return 0
 
 

@@ -173,6 +173,12 @@ KERNELS = {"naive": kda_naive, "recurrent": kda_recurrent, "chunked": kda_chunke
 
 
 # ------------------------------------------------------------------------------------------------ the layer
+def _at_precision(x: jnp.ndarray, dtype: str) -> jnp.ndarray:
+    """x (fp32) as the recurrence receives it: unchanged for "float32"; rounded to bf16 (and kept in that dtype, as
+    the built-in hands it over) for "bfloat16"."""
+    return x if dtype == "float32" else x.astype(jnp.bfloat16)
+
+
 def kda_attention(p: dict, x: jnp.ndarray, spec: LayerSpec, state: tuple | None = None):
     """KDA attention block on the layer-normed input x [B,T,D] (facts §3.1–3.8).
 
@@ -197,10 +203,11 @@ def kda_attention(p: dict, x: jnp.ndarray, spec: LayerSpec, state: tuple | None 
     a = linear(x, p["f_proj"])
     pts["attention.f_proj"] = a
     g = kda_gate(a.reshape(B, T, H, d), p["A_log"], p["dt_bias"], m.lower_bound)  # fp32 (ORC §5)
+    g = _at_precision(g, spec.kda_gate_dtype)  # the built-in's bf16 rounding, on request (parity.semantics)
     pts["attention.gate"] = g
     b = linear(x, p["b_proj"])
     pts["attention.b_proj"] = b
-    beta = jax.nn.sigmoid(b.astype(F32))  # fp32 (facts §3.4, ORC §5)
+    beta = _at_precision(jax.nn.sigmoid(b.astype(F32)), spec.kda_beta_dtype)  # fp32 (facts §3.4, ORC §5)
     pts["attention.beta"] = beta
     q, k, v = qkv
     qn, kn = l2_normalize(q), l2_normalize(k)  # fp32, eps inside the sqrt of the sum (§3.3)

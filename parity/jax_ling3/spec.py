@@ -81,6 +81,10 @@ class LayerSpec:
     shared_limit: float | None = None
     kda_mode: str = "auto"  # "auto" (official: recurrent if T <= 64 else chunked, §3.10) | "chunked" | "recurrent"
     mla_absorbed: bool = True  # MLA over a latent cache: absorbed form (§4.5) instead of expanding K/V
+    # Precision of the KDA forget gate / beta as they enter the recurrence (a semantic fork, parity.semantics):
+    # "float32" (official file, intended) or "bfloat16" (transformers' built-in rounds both to the model dtype, ORC §5)
+    kda_gate_dtype: str = "float32"
+    kda_beta_dtype: str = "float32"
 
 
 def model_spec(cfg: Ling3Config, dtype: str) -> ModelSpec:
@@ -112,10 +116,16 @@ def model_spec(cfg: Ling3Config, dtype: str) -> ModelSpec:
 
 
 def layer_spec(cfg: Ling3Config, i: int, dtype: str, *, clamp: bool = True, kda_mode: str = "auto",
-               mla_absorbed: bool = True) -> LayerSpec:
-    """Statics of layer i. `clamp=False` drops the SwiGLU clamp (to compare with runtimes that lack it, facts §10.1)."""
+               mla_absorbed: bool = True, kda_gate_dtype: str = "float32",
+               kda_beta_dtype: str = "float32") -> LayerSpec:
+    """Statics of layer i (i ≥ num_hidden_layers: an MTP layer, MLA + MoE without clamp, facts §2, §5.7).
+    `clamp=False` drops the SwiGLU clamp (to follow runtimes that ignore it, facts §10.1); `kda_gate_dtype` /
+    `kda_beta_dtype` "bfloat16" round the KDA gate / beta as transformers' built-in does (parity.semantics)."""
     if kda_mode not in ("auto", "chunked", "recurrent"):
         raise ConfigError(f"kda_mode {kda_mode!r}: expected 'auto', 'chunked' or 'recurrent'")
+    for name, v in (("kda_gate_dtype", kda_gate_dtype), ("kda_beta_dtype", kda_beta_dtype)):
+        if v not in ("float32", "bfloat16"):
+            raise ConfigError(f"{name} {v!r}: expected 'float32' or 'bfloat16'")
     return LayerSpec(
         model=model_spec(cfg, dtype),
         kind=cfg.layer_kind(i),
@@ -124,6 +134,8 @@ def layer_spec(cfg: Ling3Config, i: int, dtype: str, *, clamp: bool = True, kda_
         shared_limit=cfg.shared_swiglu_limit(i) if clamp else None,
         kda_mode=kda_mode,
         mla_absorbed=mla_absorbed,
+        kda_gate_dtype=kda_gate_dtype,
+        kda_beta_dtype=kda_beta_dtype,
     )
 
 

@@ -12,9 +12,14 @@ Names accepted besides the official ones (so a checkpoint written by transformer
 - what its `save_pretrained` actually writes (measured, transformers 5.23): official names, except that the reverse of
   its `dense -> o_proj` rename also renames the **KDA** `o_proj` to `attention.dense`.
 
-The whole index is checked once at open: every key must map to a parameter of its layer (by kind), or lie under an
-MTP prefix (`Ling3Config.mtp_key_prefixes()`, skipped); anything else raises `CheckpointError` naming the keys
-(seed §3.6: *unmapped checkpoint keys ⊆ MTP skip list*, raised, not warned). Missing parameters raise too.
+MTP layers (`model.layers.{N+j}`, facts §2, §7): an MLA + MoE decoder block under the same names, plus `eh_proj [D, 2D]`
+(-> [2D, D]), `enorm`, `hnorm`, `final_layernorm`; converted on demand by `convert_mtp` / `CheckpointReader.mtp_params`.
+
+The whole index is checked once at open: every key must map to a parameter of its layer (by kind) — MTP layers'
+keys to the MTP layer's parameters (`Ling3Config.mtp_key_prefixes()`); anything else raises `CheckpointError` naming
+the keys (seed §3.6's *unmapped checkpoint keys ⊆ MTP skip list*, now with the MTP layer mapped too: raised, not
+warned). Missing main-layer parameters raise at open; missing MTP parameters when the MTP layer is converted (a
+checkpoint may lack its MTP layer, and the main stack replays without it).
 """
 
 from __future__ import annotations
@@ -53,9 +58,15 @@ def _np_dtype(dtype: str):
 
 
 # ----------------------------------------------------------------------------------------- names
+MTP_SUFFIXES = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "final_layernorm.weight")  # facts §7
+
+
 def expected_suffixes(cfg: Ling3Config, i: int) -> set[str]:
-    """Official per-layer key suffixes (relative to `model.layers.{i}.`) of layer i (facts §7)."""
+    """Official per-layer key suffixes (relative to `model.layers.{i}.`) of layer i (facts §7); i ≥ num_hidden_layers:
+    an MTP layer (MLA + MoE block + MTP_SUFFIXES)."""
     s = {"input_layernorm.weight", "post_attention_layernorm.weight"}
+    if i >= cfg.num_hidden_layers:
+        s |= set(MTP_SUFFIXES)
     if cfg.layer_kind(i) == "kda":
         s |= {f"attention.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj", "b_proj",
                                                  "q_conv1d", "k_conv1d", "v_conv1d", "o_norm", "o_proj")}
@@ -117,6 +128,10 @@ def check_keys(cfg: Ling3Config, keys, source: str) -> None:
             globals_seen.add(GLOBAL_KEYS[k])
             continue
         if k.startswith(mtp):
+            m = _LAYER_RE.match(k)
+            if m and canonical_suffixes(cfg, int(m.group(1)), m.group(2)):
+                continue  # an MTP layer parameter (checked for completeness when it is converted)
+            unmapped.append(k)
             continue
         m = _LAYER_RE.match(k)
         if m and int(m.group(1)) < cfg.num_hidden_layers:
@@ -129,8 +144,8 @@ def check_keys(cfg: Ling3Config, keys, source: str) -> None:
         unmapped.sort()
         shown = ", ".join(unmapped[:20]) + (f", … ({len(unmapped)} in total)" if len(unmapped) > 20 else "")
         raise CheckpointError(
-            f"{source}: unmapped checkpoint key(s) outside the MTP skip list {list(mtp)}: {shown} "
-            "(expected only official Ling3 / built-in bailing_hybrid parameter names, facts §7)")
+            f"{source}: unmapped checkpoint key(s): {shown} (expected only official Ling3 / built-in bailing_hybrid "
+            f"parameter names, MTP layers {list(mtp)} included, facts §7)")
     missing = sorted({"model.word_embeddings.weight", "model.norm.weight", "lm_head.weight"} - globals_seen)
     for i, have in covered.items():
         missing += sorted(f"model.layers.{i}.{s}" for s in expected_suffixes_cached(cfg, i) - have)
@@ -265,6 +280,21 @@ def convert_layer(cfg: Ling3Config, i: int, hf_tensors: Mapping[str, np.ndarray]
     return {k: dict(v) if isinstance(v, dict) else v for k, v in out.items()}
 
 
+def convert_mtp(cfg: Ling3Config, j: int, hf_tensors: Mapping[str, np.ndarray], dtype: str, put=None) -> dict:
+    """Pure: HF tensors of MTP layer j (`model.layers.{N+j}.*`) -> {"enorm", "hnorm", "final_layernorm" [D],
+    "eh_proj" [2D, D] (input = [enorm(embedding) ; hnorm(hidden)], facts §2), "block": the MLA + MoE decoder block's
+    params as `convert_layer` gives them}."""
+    i = cfg.num_hidden_layers + j
+    dt = _np_dtype(dtype)
+    D = cfg.hidden_size
+    src = _Canon(cfg, i, hf_tensors)
+    put_ = put or (lambda a: a)
+    out = {n: put_(_c(src.get(f"{n}.weight", (D,)), dt)) for n in ("enorm", "hnorm", "final_layernorm")}
+    out["eh_proj"] = put_(_t(src.get("eh_proj.weight", (D, 2 * D)), dt))
+    out["block"] = convert_layer(cfg, i, hf_tensors, dtype, put)
+    return out
+
+
 def convert_globals(cfg: Ling3Config, hf_tensors: Mapping[str, np.ndarray], dtype: str) -> dict:
     """Embedding [V,D] (no scaling), final norm [D], lm_head [V,D] -> [D,V] (facts §6)."""
     dt = _np_dtype(dtype)
@@ -389,6 +419,21 @@ class CheckpointReader:
         if not 0 <= i < self.config.num_hidden_layers:
             raise CheckpointError(f"{self.dir}: layer {i} out of range 0..{self.config.num_hidden_layers - 1}")
         return _LazyTensors({k: self.key_files[k] for k in self._by_layer.get(i, [])})
+
+    def mtp_lazy_tensors(self, j: int) -> Mapping[str, np.ndarray]:
+        """MTP layer j's tensors (`model.layers.{N+j}.*`), raw names, read on access."""
+        n = max(1, self.config.num_nextn_predict_layers)
+        if not 0 <= j < n:
+            raise CheckpointError(f"{self.dir}: MTP layer {j} out of range 0..{n - 1}")
+        return _LazyTensors({k: self.key_files[k] for k in self._by_layer.get(self.config.num_hidden_layers + j, [])})
+
+    def has_mtp(self, j: int = 0) -> bool:
+        """Whether the checkpoint holds MTP layer j's keys."""
+        return bool(self._by_layer.get(self.config.num_hidden_layers + j))
+
+    def mtp_params(self, j: int, dtype: str, put=None) -> dict:
+        """MTP layer j's params (`convert_mtp`); CheckpointError naming the first missing key."""
+        return convert_mtp(self.config, j, self.mtp_lazy_tensors(j), dtype, put)
 
     def hf_tensors(self, i: int) -> dict[str, np.ndarray]:
         """All `model.layers.{i}.*` tensors, raw names -> numpy (bf16 as ml_dtypes.bfloat16)."""

@@ -6,14 +6,14 @@
   `parse_override(s)` for CLI strings.
 """
 
-from parity.numerics.compare import ComparisonError, Verdict, allowed_over_count, compare
+from parity.numerics.compare import ComparisonError, Verdict, allowed_over_count, compare, comparison_grid
 from parity.numerics.tolerances import (RulesTable, ToleranceRule, default_rules, load_rules, parse_override,
                                         parse_overrides)
 from parity.numerics.ulp import (DTYPE_NAMES, NO_ULP, dtype_name, ordered_int, to_dtype, ulp_distance, ulp_of,
                                  value_class)
 
 __all__ = [
-    "ComparisonError", "Verdict", "allowed_over_count", "compare",
+    "ComparisonError", "Verdict", "allowed_over_count", "compare", "comparison_grid",
     "RulesTable", "ToleranceRule", "default_rules", "load_rules", "parse_override", "parse_overrides",
     "DTYPE_NAMES", "NO_ULP", "dtype_name", "ordered_int", "to_dtype", "ulp_distance", "ulp_of", "value_class",
 ]

@@ -1,7 +1,8 @@
 """Compare one point: `compare(ref, test, rule) -> Verdict` (DESIGN §5 hybrid rule). numpy + ml_dtypes only.
 
-Float tensors, on the grid of dtype `D` = the `dtype` argument, else `rule.compare_dtype`, else the reference's dtype
-(both sides rounded RNE to `D`; an fp32 tensor compared "in bf16" is rounded first):
+Float tensors, on the grid of dtype `D` = the `dtype` argument, else `comparison_grid` (`rule.compare_dtype`, else the
+reference's dtype = the precision the tensor was computed in; both sides rounded RNE to `D`; an fp32 tensor compared
+"in bf16" is rounded first):
  0. NaN / +Inf / -Inf are classes (parity.numerics.ulp): a class mismatch (NaN or Inf where the other side is finite,
     +Inf vs -Inf, NaN vs Inf) is a failure counted in `nan_inf_mismatches` and left out of every statistic; matching
     NaN/NaN, +Inf/+Inf, -Inf/-Inf count as equal (0 ULP).
@@ -9,10 +10,14 @@ Float tensors, on the grid of dtype `D` = the `dtype` argument, else `rule.compa
     passes (row = last axis; a 0-d tensor is one row). Its *effective* ULP distance is 0.
  2. every other element gets its ULP distance on D's monotone integer line (its effective ULP distance).
  3. pass iff no NaN/Inf mismatch, at most `allowed_over_count(allowed_fraction, n)` elements have an effective ULP
-    distance above `max_ulps`, none is above `hard_ulps` (each limit only if not off), and — if the rule has rtol/atol
+    distance above `max_ulps`, none is above `hard_ulps` (each limit only if not off), — if the rule has rtol/atol
     (the fp32 tier) — every element outside the floor has |a - b| ≤ atol + rtol·|ref| (elementwise, as
-    torch.testing.assert_close; rtol/atol off count as 0).
+    torch.testing.assert_close; rtol/atol off count as 0), and — if the rule has `bound_rms` — every finite element
+    outside the floor has |a - b| ≤ bound_rms · RMS of its reference row: the per-element safety bound, which
+    `allowed_fraction` never relaxes (so a few elements of finite garbage fail; reasoning: parity.numerics.bounds).
 Statistics: `max_ulp`, `p50/p99/p999_ulp` are effective (after the floor) — the numbers the rule judges;
+`max_diff_rms` = the largest |a - b| / RMS(reference row) of any finite element (the smallest `bound_rms` that passes;
+inf where a row with RMS 0 has a difference);
 `max_ulp_raw`, `frac_exact`, `frac_le1_ulp` use the raw ULP distance (bit-level facts); rel-L2, cosine and |Δ| use the
 finite pairs in float64. Percentiles are attained values (numpy "inverted_cdf": p99 = smallest v with ≥ 99 % ≤ v).
 
@@ -66,6 +71,11 @@ class Verdict:
     allowed_over: int  # how many may be above max_ulps
     n_hard: int  # effective ULP above hard_ulps
     n_tol_fail: int  # outside the floor and outside atol + rtol·|ref|
+    n_bound: int  # outside the floor and beyond the per-element safety bound bound_rms·RMS(row)
+    max_diff_rms: float | None  # largest |Δ| / RMS(reference row) of any finite element
+    bound_index: tuple[int, ...] | None  # the element furthest beyond the bound (in row-RMS units), if any
+    bound_ref: float | None
+    bound_test: float | None
     rel_l2: float | None
     cosine: float | None
     max_abs_diff: float | None
@@ -109,6 +119,10 @@ class Verdict:
         if r["rtol"] is not None or r["atol"] is not None:
             lines.append(f"Elements outside |Δ| ≤ atol + rtol·|ref| (rtol {r['rtol'] or 0:g}, atol {r['atol'] or 0:g}) "
                          f"after the floor: {self.n_tol_fail} / {self.n}")
+        if r.get("bound_rms") is not None and self.n_bound:
+            lines.append(f"Elements beyond the per-element safety bound |Δ| ≤ {r['bound_rms']:g}×row RMS: "
+                         f"{self.n_bound} / {self.n}; furthest at index {self.bound_index} (|Δ| = "
+                         f"{_g(self.max_diff_rms, 4)}×row RMS, ref {_g(self.bound_ref)}, test {_g(self.bound_test)})")
         if self.nan_inf_mismatches:
             lines.append(f"NaN/Inf mismatches: {self.nan_inf_mismatches}, first at index {self.first_nan_inf_index} "
                          f"(ref {_g(self.first_nan_inf_ref)}, test {_g(self.first_nan_inf_test)})")
@@ -122,20 +136,36 @@ class Verdict:
                          f"{self.max_ulp} (before the floor: max {self.max_ulp_raw}; {self.n_floored} element(s) "
                          f"passed by the floor |Δ| ≤ {_g(self.floor_abs_max)})")
             lines.append(f"Exact {_pct(self.frac_exact)}, ≤ 1 ULP {_pct(self.frac_le1_ulp)}, rel-L2 {_g(self.rel_l2)}, "
-                         f"cosine {_g(self.cosine, 9)}")
+                         f"cosine {_g(self.cosine, 9)}, largest |Δ| {_g(self.max_diff_rms, 4)}×row RMS")
         if not self.passed:
             if self.nan_inf_mismatches:
-                lines.append("No ULP tolerance passes while NaN/Inf classes differ.")
-            elif self.min_passing_max_ulps is not None:
-                fix = []
-                if r["max_ulps"] is not None and self.n_over > self.allowed_over:
-                    fix.append(f"max_ulps ≥ {self.min_passing_max_ulps}")
-                if r["hard_ulps"] is not None and self.n_hard:
-                    fix.append(f"hard_ulps ≥ {self.min_passing_hard_ulps}")
-                if fix:
-                    lines.append("Would pass with " + " and ".join(fix) +
-                                 (" (and a wider rtol/atol)" if self.n_tol_fail else "") + ".")
+                lines.append("No tolerance passes while NaN/Inf classes differ.")
+            else:
+                lines += self._would_pass()
         return "\n".join(lines)
+
+    def _would_pass(self) -> list[str]:
+        """What the rule would need for this point to pass — every number that matters, so that no limit reads as
+        enough while a few outliers hide behind the allowed fraction (each failing criterion is one line)."""
+        r, need = self.rule, []
+        if r["max_ulps"] is not None and self.n_over > self.allowed_over and self.min_passing_max_ulps is not None:
+            k, a = self.min_passing_max_ulps, self.allowed_over
+            if k < (self.max_ulp or 0):
+                need.append(f"max_ulps ≥ {k} with allowed_fraction {_pct(r['allowed_fraction'])} (which lets ≤ {a} "
+                            f"element{'s' * (a != 1)} stay above {k} ULP: the largest is {self.max_ulp} ULP); "
+                            f"with every element within the limit: max_ulps ≥ {self.max_ulp}")
+            else:
+                need.append(f"max_ulps ≥ {k} (with any allowed_fraction: no element is above it)")
+        if r["hard_ulps"] is not None and self.n_hard:
+            need.append(f"hard_ulps ≥ {self.min_passing_hard_ulps}")
+        if self.n_tol_fail:
+            need.append(f"a wider rtol/atol ({self.n_tol_fail} element(s) outside atol + rtol·|ref|)")
+        if self.n_bound:
+            need.append(f"bound_rms ≥ {self.max_diff_rms:.3g} — the per-element safety bound "
+                        f"({r['bound_rms']:g}×row RMS) that no correct implementation is expected to exceed")
+        if not need:
+            return []
+        return ["Would pass only with all of:"] + [f"  - {x}" for x in need]
 
 
 def _jsonable(v: Any) -> Any:
@@ -160,6 +190,17 @@ def _index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(i) for i in np.unravel_index(int(flat), shape))
 
 
+def comparison_grid(tensor_dtype: Any, rule: ToleranceRule | None = None) -> str:
+    """The grid a tensor is compared on (DESIGN §5, issue 15): the precision it was *computed* in — the dtype the
+    reference produced and stored it in (an fp32 router logit, KDA gate / beta / state or top-k weight of a bf16 run is
+    compared in fp32, bf16 activations in bf16) — unless the rule names a `compare_dtype`. Rounding an fp32 tensor to
+    bf16 first would erase exactly the rounding a precision-placement bug changes (a router GEMM in bf16 moves the fp32
+    logits by ≤ ½ bf16 ULP: 0 ULP after rounding both sides, up to 2^15 fp32 ULP before). The rule for such a
+    point is looked up by (site, mode, tensor dtype, compute dtype) — e.g. float32 under compute bfloat16 — and is
+    calibrated on that grid for that site class."""
+    return dtype_name(rule.compare_dtype if rule is not None and rule.compare_dtype else tensor_dtype)
+
+
 def compare(ref: Any, test: Any, rule: ToleranceRule, *, name: str = "", dtype: Any = None) -> Verdict:
     """Compare `test` against the reference `ref` under `rule` (module docstring). Never raises on values
     (NaN/Inf are data); raises ComparisonError on a shape mismatch or a dtype with no comparison convention."""
@@ -175,7 +216,7 @@ def compare(ref: Any, test: Any, rule: ToleranceRule, *, name: str = "", dtype: 
             raise ComparisonError(f"{label}: reference is {ref.dtype}; integer tensors compare exactly, not in {dtype}")
         return _compare_exact(ref, test, rule, name)
     try:
-        cdt = dtype_name(dtype or rule.compare_dtype or ref.dtype)
+        cdt = dtype_name(dtype) if dtype is not None else comparison_grid(ref.dtype, rule)
     except ParityError as e:
         raise ComparisonError(f"{label}: {e}; pass dtype= to choose the grid") from None
     return _compare_float(to_dtype(ref, cdt), to_dtype(test, cdt), rule, name, cdt)
@@ -199,6 +240,7 @@ def _compare_exact(ref: np.ndarray, test: np.ndarray, rule: ToleranceRule, name:
         max_ulp=None, p50_ulp=None, p99_ulp=None, p999_ulp=None, max_ulp_raw=None,
         frac_exact=(n - n_bad) / n if n else None, frac_le1_ulp=None, n_floored=0, floor_abs_max=None,
         n_over=n_bad, frac_over=n_bad / n if n else 0.0, allowed_over=0, n_hard=0, n_tol_fail=0,
+        n_bound=0, max_diff_rms=None, bound_index=None, bound_ref=None, bound_test=None,
         rel_l2=None, cosine=None,
         max_abs_diff=float(diff[worst]) if worst is not None else (0.0 if n else None),
         max_abs_index=_index(worst, ref.shape) if worst is not None else None,
@@ -252,8 +294,11 @@ def _compare_float(r: np.ndarray, t: np.ndarray, rule: ToleranceRule, name: str,
     diff[~fin] = 0.0
 
     # 1. absolute floor, per row (DESIGN §5)
-    floor_abs = rule.floor_ulps * ulp_of(_row_rms(rv, cr == FINITE), cdt)
+    rms = _row_rms(rv, cr == FINITE)
+    floor_abs = rule.floor_ulps * ulp_of(rms, cdt)
     within = fin & (diff <= floor_abs)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a row of RMS 0: any difference is infinitely many RMS
+        ratio = np.where(diff > 0, diff / rms, 0.0)
     # 2. effective ULP distance
     eff = np.where(within, 0, raw)
     # 3. criteria
@@ -264,8 +309,14 @@ def _compare_float(r: np.ndarray, t: np.ndarray, rule: ToleranceRule, name: str,
     if rule.has_allclose:
         lim = (rule.atol or 0.0) + (rule.rtol or 0.0) * np.abs(rv)
         n_tol_fail = int((fin & ~within & (diff > lim)).sum())
+    n_bound, bound_at = 0, None
+    if rule.bound_rms is not None:  # per-element safety bound: no allowed fraction (parity.numerics.bounds)
+        beyond = fin & ~within & (ratio > rule.bound_rms)
+        n_bound = int(beyond.sum())
+        if n_bound:
+            bound_at = int(np.argmax(np.where(beyond, ratio, -1.0)))
     n_mism = int(mism.sum())
-    passed = n_mism == 0 and n_over <= allowed and n_hard == 0 and n_tol_fail == 0
+    passed = n_mism == 0 and n_over <= allowed and n_hard == 0 and n_tol_fail == 0 and n_bound == 0
 
     # statistics
     e_valid = eff[valid]
@@ -311,7 +362,12 @@ def _compare_float(r: np.ndarray, t: np.ndarray, rule: ToleranceRule, name: str,
         n_floored=int((within & (diff > 0)).sum()),
         floor_abs_max=float(np.max(floor_abs)) if n else None,
         n_over=n_over, frac_over=n_over / n if n else 0.0, allowed_over=allowed, n_hard=n_hard,
-        n_tol_fail=n_tol_fail, rel_l2=rel_l2, cosine=cosine,
+        n_tol_fail=n_tol_fail, n_bound=n_bound,
+        max_diff_rms=float(ratio[fin].max()) if fin.any() else None,
+        bound_index=_index(bound_at, shape) if bound_at is not None else None,
+        bound_ref=float(rv.ravel()[bound_at]) if bound_at is not None else None,
+        bound_test=float(tv.ravel()[bound_at]) if bound_at is not None else None,
+        rel_l2=rel_l2, cosine=cosine,
         max_abs_diff=float(flat_diff[max_abs_i]) if n and fin.any() else None,
         max_abs_index=_index(max_abs_i, shape) if n and fin.any() else None,
         worst_index=_index(worst, shape) if worst is not None else None,

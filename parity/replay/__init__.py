@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 from parity.replay.judge import judge, judge_point, judge_step
 from parity.replay.records import Observation, PointRecord, Status
-from parity.replay.session import MODES, ModeError, Session, check_mode, dump_steps, find_checkpoint
+from parity.replay.session import MODES, ModeError, Session, check_mode, dump_steps, find_checkpoint, target_info
 from parity.replay.strategies import (observe, observe_free, observe_isolated, observe_layer,
                                       observe_model_points)
 
@@ -50,8 +50,6 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
         records = [r.to_json() for r in replay_records(s, layers, progress)]
         rep = build_report(s.config, records, dump=str(dump_path), target=getattr(s.target, "name", "?"),
                            mode=mode)
-        from parity.plugin import target_info
-
         rep["target_info"] = target_info(s.target)  # protocol v2: what actually ran
         return rep
 

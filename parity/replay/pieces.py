@@ -79,8 +79,12 @@ def observe_pieces(s: Session, i: int, pieces: list[int], against: str = "dump")
             own.setdefault("output", whole.output)
             ref, tf = own.get(site), None
             ref = None if ref is None else np.asarray(ref)
+        why = (last.missing or {}).get(site)
+        skip = None
+        if against == "self" and ref is None and test is None:
+            skip = f"target {s.target.name} does not produce this point" + (f" ({why})" if why else "")
         yield Observation(pt, ref, test, s.mode, positions=positions, expert_bias=bias, transform=tf,
-                          why_absent=(last.missing or {}).get(site))
+                          why_absent=why, skip=skip)
 
 
 def replay_layer_pieces(s: Session, i: int, pieces: list[int], against: str = "dump") -> list[dict]:

@@ -160,3 +160,11 @@ def _target(target):
     if not hasattr(target, "layer_forward"):
         raise TargetError(f"target {target!r} is not a parity.targets.base.Target")
     return target
+
+
+def target_info(target) -> dict:
+    """`target.describe()` for the report header (protocol v2); a failing describe() is said, never loses the report."""
+    try:
+        return target.describe()
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"describe() failed: {e}"}

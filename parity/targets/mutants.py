@@ -53,6 +53,10 @@ class Mutation:
     patches: Callable[[], dict] = field(default=lambda: {})  # {(module, attr): replacement} for the trace
     load: Callable[["MutantTarget", int, dict], None] | None = None  # weight-layout bugs: mutate params after load
     needs_decode: bool = False
+    # isolated mode: {(layer kind | "*", site): fn} replacing entries of reference.ISOLATED_SITES where the bug sits in
+    # code the isolated site function does not share with the layer (e.g. beta's sigmoid, written inline in both)
+    isolated: Callable[[], dict] = field(default=lambda: {})
+    cls: str = "porting"  # "porting" | "precision" (precision placement) | "sub-tolerance" (numerics below the tier)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -361,6 +365,123 @@ def _p_clamp_missing():
     return {(moe, "swiglu"): lambda g, u, limit: orig(g, u, None)}  # swiglu_limit config fields not read (§5.7)
 
 
+# Precision placement (issue 15). Each models a port that *hard-codes* bf16 where the reference computes in fp32 (a
+# `dtype=jnp.bfloat16` in a kernel, a Llama norm reused for a norm that runs in fp32): the bug then exists in fp32 runs
+# too. A bug that only follows the activation dtype ("computed in x.dtype") is a no-op in an fp32 run and can be seen
+# on bf16 dumps alone.
+def _rms_norm_bf16_stats(x, w, eps):
+    """Llama RMSNorm with the statistics (mean of squares, rsqrt) computed in bf16 instead of fp32 (facts §6)."""
+    import jax
+    import jax.numpy as jnp
+
+    xb = x.astype(jnp.bfloat16)
+    y = xb * jax.lax.rsqrt(jnp.mean(xb * xb, axis=-1, keepdims=True) + jnp.asarray(eps, jnp.bfloat16))
+    return w.astype(x.dtype) * y.astype(x.dtype)
+
+
+def _p_norm_stats_bf16():
+    _, layer, _, _ = _mods()
+    return {(layer, "rms_norm"): _rms_norm_bf16_stats}  # the decoder layer's own norms (input / post-attention)
+
+
+def _i_norm_stats_bf16():
+    def f(src, w):
+        def fn(p, x, st, spec):
+            return _rms_norm_bf16_stats(x[src], p[w], spec.model.eps)
+        return fn
+
+    def post(p, x, st, spec):
+        return _rms_norm_bf16_stats(x["input"] + x["attention"], p["post_attention_layernorm"], spec.model.eps)
+
+    return {("*", "input_layernorm"): f("input", "input_layernorm"), ("*", "post_attention_layernorm"): post}
+
+
+def _gated_norm_weight_bf16(o, gate, w, eps):
+    """KDA output norm as a Llama norm: normalised value cast to bf16, the weight multiply and the gate in bf16
+    (facts §3.7: all in fp32, cast once)."""
+    import jax
+    import jax.numpy as jnp
+
+    bf = jnp.bfloat16
+    of = o.astype(jnp.float32)
+    y = (of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + eps)).astype(bf)
+    return ((y * w.astype(bf)) * jax.nn.sigmoid(gate.astype(bf))).astype(o.dtype)
+
+
+def _p_o_norm_weight_bf16():
+    kda, *_ = _mods()
+    return {(kda, "gated_rms_norm"): _gated_norm_weight_bf16}
+
+
+def _i_o_norm_weight_bf16():
+    def fn(p, x, st, spec):
+        core = x["attention.core"]
+        gp = x["attention.g_proj"].reshape(core.shape)
+        return _gated_norm_weight_bf16(core, gp, p["attention"]["o_norm"], spec.model.eps)
+
+    return {("kda", "attention.o_norm"): fn}
+
+
+def _p_gate_bf16():
+    import jax
+    import jax.numpy as jnp
+
+    kda, *_ = _mods()
+
+    def gate(a, A_log, dt_bias, lower_bound):  # facts §3.5: fp32; here every step in bf16, upcast at the end
+        bf = jnp.bfloat16
+        H, d = a.shape[-2], a.shape[-1]
+        x = a.astype(bf) + dt_bias.astype(bf).reshape(H, d)
+        rate = jnp.exp(A_log.astype(bf)).reshape(H, 1)
+        g = -rate * jax.nn.softplus(x) if lower_bound is None else jnp.asarray(lower_bound, bf) * jax.nn.sigmoid(rate * x)
+        return g.astype(jnp.float32)
+
+    return {(kda, "kda_gate"): gate}
+
+
+def _beta_bf16(b):
+    import jax
+    import jax.numpy as jnp
+
+    return jax.nn.sigmoid(b.astype(jnp.bfloat16)).astype(jnp.float32)  # facts §3.4: sigmoid in fp32
+
+
+def _p_beta_bf16():
+    kda, layer, _, _ = _mods()
+    return {(layer, "kda_attention"): _rebind(kda.kda_attention, jax=_JaxProxy(sigmoid=_beta_bf16))}
+
+
+def _i_beta_bf16():
+    return {("kda", "attention.beta"): lambda p, x, st, spec: _beta_bf16(x["attention.b_proj"])}
+
+
+# Sub-tolerance numerics (issue 15): changes whose effect sits at or below the loose tiers' resolution.
+def _p_mla_lora_norm_eps():
+    _, _, mla, _ = _mods()
+    return {(mla, "MLA_NORM_EPS"): 1e-5}  # q_a / kv_a layernorm with 1e-5 instead of the class default 1e-6 (§4.2)
+
+
+def _p_moe_combine_bf16():
+    import jax.numpy as jnp
+
+    from parity.jax_ling3.ops import dot_f32
+
+    *_, moe = _mods()
+
+    def routed(p, x, idx, w, limit):  # Σ_i w_i·Expert_i(x) accumulated slot by slot in bf16 (facts §5.5: fp32, one cast)
+        dt, bf = x.dtype, jnp.bfloat16
+        g = dot_f32("nd,edi->nei", x, p["experts_gate"].astype(dt)).astype(dt)
+        u = dot_f32("nd,edi->nei", x, p["experts_up"].astype(dt)).astype(dt)
+        y = dot_f32("nei,eid->ned", moe.swiglu(g, u, limit), p["experts_down"].astype(dt)).astype(dt)  # [N,E,D]
+        acc = jnp.zeros((x.shape[0], y.shape[-1]), bf)
+        for j in range(idx.shape[-1]):
+            yj = jnp.take_along_axis(y, idx[:, j, None, None].astype(jnp.int32), axis=1)[:, 0]  # [N,D]
+            acc = (acc + (yj.astype(jnp.float32) * w[:, j, None].astype(jnp.float32)).astype(bf)).astype(bf)
+        return acc.astype(dt)
+
+    return {(moe, "routed_experts"): routed}
+
+
 def _load_square_not_transposed(t: "MutantTarget", i: int, hf: dict) -> None:
     # A converter that forgets `.T` on a [out, in] weight passes every shape check when out == in (KDA q_proj with
     # num_heads·head_dim == hidden_size).
@@ -460,12 +581,30 @@ MUTATIONS: dict[str, Mutation] = {m.name: m for m in [
              "mlp.gate.topk_idx of the first MoE layer", "tiny", _pre("mlp.gate.topk_idx", first_moe),
              _p_no_group_limit),
     Mutation("moe_router_bf16", "router GEMM run in bf16 instead of fp32 → mlp.gate.logits of the first MoE layer",
-             "tiny", _pre("mlp.gate.logits", first_moe), _p_router_bf16),
+             "tiny", _pre("mlp.gate.logits", first_moe), _p_router_bf16, cls="precision"),
     Mutation("moe_shared_expert_scaled", "routed_scaling_factor also applied to the shared expert → "
              "mlp.shared_experts of the first MoE layer", "tiny", _pre("mlp.shared_experts", first_moe),
              _p_shared_scaled),
     Mutation("swiglu_clamp_missing", "SwiGLU clamp limits (swiglu_limit lists) not applied → mlp.routed / "
              "mlp.shared_experts of the first clamped layer", "tiny-flash", _clamp_expected, _p_clamp_missing),
+    Mutation("norm_stats_bf16", "RMSNorm statistics (mean of squares, rsqrt) computed in bf16 instead of fp32 → "
+             "input_layernorm of layer 0", "tiny", _pre("input_layernorm", lambda cfg: 0), _p_norm_stats_bf16,
+             isolated=_i_norm_stats_bf16, cls="precision"),
+    Mutation("kda_o_norm_weight_bf16", "KDA gated output norm run as a Llama norm: normalised value cast to bf16, the "
+             "weight multiply and the sigmoid gate in bf16 (fla: all fp32, one cast) → attention.o_norm of the first "
+             "KDA layer", "tiny", _pre("attention.o_norm", first_kda), _p_o_norm_weight_bf16,
+             isolated=_i_o_norm_weight_bf16, cls="precision"),
+    Mutation("kda_gate_bf16", "KDA decay gate computed in bf16 instead of fp32 → attention.gate of the first KDA layer",
+             "tiny", _pre("attention.gate", first_kda), _p_gate_bf16, cls="precision"),
+    Mutation("kda_beta_bf16", "KDA beta sigmoid computed in bf16 instead of fp32 → attention.beta of the first KDA "
+             "layer", "tiny", _pre("attention.beta", first_kda), _p_beta_bf16, isolated=_i_beta_bf16, cls="precision"),
+    Mutation("mla_lora_norm_eps", "MLA q_a / kv_a LoRA norms with eps 1e-5 instead of their class default 1e-6 → "
+             "attention.q_a_layernorm (or kv_a_layernorm) of the first MLA layer", "tiny",
+             lambda cfg: Expected("prefill", 0, first_mla(cfg), ("attention.q_a_layernorm", "attention.kv_a_layernorm")),
+             _p_mla_lora_norm_eps, cls="sub-tolerance"),
+    Mutation("moe_combine_bf16", "routed experts' weighted sum accumulated slot by slot in bf16 (each partial sum "
+             "rounded) instead of in fp32 with one cast → mlp.routed of the first MoE layer", "tiny",
+             _pre("mlp.routed", first_moe), _p_moe_combine_bf16, cls="sub-tolerance"),
     Mutation("mtp_as_last_layer", "the MTP block (model.layers.{num_hidden_layers}) loaded as the last decoder layer "
              "→ input_layernorm of the last layer (its first weight)", "tiny",
              lambda cfg: Expected("prefill", 0, cfg.num_hidden_layers - 1, ("input_layernorm",)),
@@ -484,6 +623,7 @@ class MutantTarget(ReferenceTarget):
         self.name = f"reference+{mutation}"
         self.ckpt_dir = ckpt_dir
         self._jit = None
+        self._iso_jit = None
 
     def load_layer(self, i: int, hf_tensors: dict[str, np.ndarray]) -> None:
         super().load_layer(i, hf_tensors)
@@ -510,6 +650,30 @@ class MutantTarget(ReferenceTarget):
             self._jit = jax.jit(mutated_layer, static_argnames=("spec",),
                                 compiler_options=REFERENCE_COMPILER_OPTIONS)
         return self._jit
+
+    def _isolated_fn(self):
+        """Isolated mode: the reference's site functions traced with the same patches, plus the mutation's own
+        replacements of site functions (`Mutation.isolated`); a fresh jit per instance, as `_layer_fn`."""
+        if self._iso_jit is None:
+            import jax
+
+            from parity.targets import reference
+
+            patches = dict(self.mutation.patches())
+            if self.mutation.isolated is not None:
+                extra = self.mutation.isolated()
+                if extra:
+                    patches[(reference, "ISOLATED_SITES")] = {**reference.ISOLATED_SITES, **extra}
+            if not patches:
+                self._iso_jit = reference._isolated_jit
+                return self._iso_jit
+
+            def mutated_site(p, x, st, site, spec):  # fresh object per instance
+                with patched(patches):
+                    return reference._isolated(p, x, st, site, spec)
+
+            self._iso_jit = jax.jit(mutated_site, static_argnames=("site", "spec"))
+        return self._iso_jit
 
 
 __all__ = ["Expected", "Mutation", "MUTATIONS", "MutantTarget", "patched"]

@@ -124,7 +124,11 @@ class ReferenceTarget(Target):
             return None
         arrs = {k: jnp.asarray(v) for k, v in inputs.items()}  # the dump's own dtypes: what the module was fed
         st = None if state is None else {k: jnp.asarray(v) for k, v in state.items()}
-        return np.asarray(_isolated_jit(self.params[i], arrs, st, site=site, spec=spec))
+        return np.asarray(self._isolated_fn()(self.params[i], arrs, st, site=site, spec=spec))
+
+    def _isolated_fn(self):
+        """The jitted site function `submodule` calls (a subclass may swap it, e.g. `mutants.MutantTarget`)."""
+        return _isolated_jit
 
 
 # ------------------------------------------------------------------------------------------------ isolated sites
@@ -179,8 +183,10 @@ def _kda_o_norm(p, x, st, spec):
 
 
 def _mla_core(p, x, st, spec):
-    """Naive causal MLA (facts §4.2–4.4) over the dumped q and the dumped expanded K/V of every token so far
-    (the reference caches per-head K/V, facts §9), with keys at positions 0..S-1 and queries at `positions`."""
+    """MLA attention output from the dumped q and K/V of every token so far (keys at positions 0..S-1, queries at
+    `positions`), in the form the target runs: naive causal (facts §4.2–4.4) over the dumped expanded K/V at prefill
+    (and at decode with `mla_absorbed=False`); at decode with `mla_absorbed` (the default) the absorbed form over the
+    latent cache, `_mla_core_absorbed`."""
     import jax.numpy as jnp
 
     from parity.jax_ling3.mla import _naive
@@ -197,6 +203,8 @@ def _mla_core(p, x, st, spec):
     S = kv.shape[1]
     dt = q.dtype
     q = q.reshape(B, T, H, n + r)
+    if st is not None and spec.mla_absorbed:  # decode as the target runs it: absorbed, over the latent cache
+        return _mla_core_absorbed(p, x, st, spec, q, kv_a)
     qpos = jnp.broadcast_to(x["positions"], (B, T))
     kpos = jnp.broadcast_to(jnp.arange(S), (B, S))
     cq, sq = cos_sin(qpos, r, m.rope_theta, dt)
@@ -206,6 +214,34 @@ def _mla_core(p, x, st, spec):
     kvh = kv.reshape(B, S, H, n + vd)
     allowed = jnp.arange(S)[None, :] <= (S - T + jnp.arange(T))[:, None]  # the T new tokens are the last T keys
     core = _naive(q[..., :n], q_rope, kvh[..., :n], kvh[..., n:], k_rope, allowed, m.attn_scale, dt)
+    return core.reshape(B, T, H * vd)
+
+
+def _mla_core_absorbed(p, x, st, spec, q, kv_a):
+    """Decode step in the absorbed form (facts §4.5), as `mla.mla_attention` runs it over its latent cache: the cache
+    is the dumped normalised latents (kv_a_layernorm) and RoPE'd k_rope (kv_a_proj_with_mqa[..., c:]) of every token
+    so far; W_UK / W_UV from kv_b_proj."""
+    import jax.numpy as jnp
+
+    from parity.jax_ling3.mla import _absorbed
+    from parity.jax_ling3.rope import apply_rope_interleaved, cos_sin
+
+    m = spec.model
+    H, n, r, vd, c = m.num_heads, m.qk_nope, m.qk_rope, m.v_head_dim, m.kv_lora_rank
+    dt = q.dtype
+    c_kv = jnp.concatenate([st["attention.kv_a_layernorm"].astype(dt), x["attention.kv_a_layernorm"].astype(dt)],
+                           axis=1)
+    B, T = q.shape[:2]
+    S = c_kv.shape[1]
+    qpos = jnp.broadcast_to(x["positions"], (B, T))
+    kpos = jnp.broadcast_to(jnp.arange(S), (B, S))
+    cq, sq = cos_sin(qpos, r, m.rope_theta, dt)
+    ck, sk = cos_sin(kpos, r, m.rope_theta, dt)
+    q_rope = apply_rope_interleaved(q[..., n:], cq, sq)
+    k_rope = apply_rope_interleaved(kv_a[..., None, c:], ck, sk)[..., 0, :]
+    w_kv = p["attention"]["kv_b_proj"].reshape(c, H, n + vd)
+    allowed = jnp.arange(S)[None, :] <= (S - T + jnp.arange(T))[:, None]  # the T new tokens are the last T keys
+    core = _absorbed(q[..., :n], q_rope, c_kv, k_rope, w_kv[..., :n], w_kv[..., n:], allowed, m.attn_scale, dt)
     return core.reshape(B, T, H * vd)
 
 

@@ -376,7 +376,7 @@ class SglangJaxTarget(Target):
         pools = MemoryPools(token_to_kv_pool=kvpool, recurrent_state_pool=rpool)
         layer = self.model.model.layers[i]
         taps = self.taps(i)
-        phase = "decode" if state is not None else "prefill"
+        phase = "decode" if decode else "prefill"  # a continued extend (chunked prefill) runs the prefill kernels
         with jax.set_mesh(self.mesh), taps.record(phase, {"slots": pb.slots, "tokens": pb.tokens, "chunk": 64}) as cap_:
             def run(h):
                 with taps.bind(layer):

@@ -1,5 +1,6 @@
 """PyTorch side of the suite: loading runtimes, capture hooks, fla CPU stand-ins, the twin remote code
-(`parity.torch_ref.twin`) and the random-checkpoint maker (`parity.torch_ref.ckpt`).
+(`parity.torch_ref.twin`), the official remote code from a cache outside the repository (`official`), the
+semantic-fork probes (`semantics`) and the random-checkpoint maker (`parity.torch_ref.ckpt`).
 
 Kept import-light on purpose: importing `parity.torch_ref` must not import torch or transformers; import the
 submodules you need.

@@ -6,11 +6,26 @@ MLA `dense`, one merged `conv1d`, a `forget_gate` module, a flat `[B*T, ...]` ro
 `Capture` registers one forward hook per matching module and hands every captured tensor, reshaped to the canonical
 shape (`parity.points.canonical_shape`), to a sink. Hooks only read: they never change a tensor (a test checks that
 logits with and without capture are bit-identical).
+
+Three ways to read a tensor, all declared in the maps:
+- a module's output / input (forward hook / pre-hook), `index` picking an element of a tuple by its declared position
+  (the official MoE block returns `(y, (router_logits, topk_idx))`, its gate `(topk_idx, topk_weight, logits)`);
+- `method`: the return value of a method the module's forward calls on itself (the official MoE's `moe_infer` = the
+  routed experts' weighted sum), read by a wrapper bound on that module instance for the duration of the capture;
+- `function`: the return value of a module-level function of the module's own Python module (the official MLA calls
+  the global `eager_attention_forward`), read by a wrapper installed in that module's globals while the capture is
+  active and attributed to the layer whose module is running.
+
+MTP layers (`model.layers.{N+j}`, run by the official forward after the main stack) are captured into their own
+points (`parity.mtp_points.MtpPoint`, group `MTP{j}`): per-layer specs apply to them unless `scope="main"`, specs with
+`scope="mtp"` exist only there, and model-level specs with `mtp_calls` (the embedding and the LM head, which the
+official forward calls again for each MTP layer) attribute their (1+j)-th call in a forward to MTP layer j.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -19,6 +34,7 @@ import numpy as np
 import torch
 
 from parity.errors import ParityError
+from parity.mtp_points import MtpPoint, mtp_sites
 from parity.points import Point, canonical_shape, sites_for_config
 
 
@@ -30,6 +46,10 @@ class TapSpec:
     io: "output" (forward hook) or "input" (forward pre-hook, positional argument `index`).
     index: element of a tuple output/input (None: the value itself).
     kind / mlp: only for layers of that kind ("kda"/"mla") / that MLP ("moe"/"dense").
+    scope: per-layer specs only — "any" (main and MTP layers), "main" or "mtp".
+    method: read the return value of this method of the module instead of the module's output.
+    function: read the return value of this module-level function of the module's Python module, while the module runs.
+    mtp_calls: model-level only — the (1+j)-th call in one forward is MTP layer j's point (embedding, LM head).
     """
 
     module: str
@@ -38,6 +58,10 @@ class TapSpec:
     index: int | None = None
     kind: str | None = None
     mlp: str | None = None
+    scope: str = "any"
+    method: str | None = None
+    function: str | None = None
+    mtp_calls: bool = False
 
 
 def _layer(site: str, rel: str, **kw) -> TapSpec:
@@ -46,11 +70,11 @@ def _layer(site: str, rel: str, **kw) -> TapSpec:
 
 # Sites common to every runtime whose module tree follows the official checkpoint names (twin and official file).
 _OFFICIAL_NAMES: list[TapSpec] = [
-    TapSpec("model.word_embeddings", "embed"),
+    TapSpec("model.word_embeddings", "embed", mtp_calls=True),
     TapSpec("model.norm", "final_norm"),
-    TapSpec("lm_head", "logits"),
-    _layer("input", "", io="input", index=0),
-    _layer("output", "", index=0),
+    TapSpec("lm_head", "logits", mtp_calls=True),
+    _layer("input", "", io="input", index=0, scope="main"),
+    _layer("output", "", index=0, scope="main"),
     _layer("input_layernorm", "input_layernorm"),
     _layer("attention", "attention", index=0),
     _layer("post_attention_layernorm", "post_attention_layernorm"),
@@ -64,10 +88,26 @@ _OFFICIAL_NAMES: list[TapSpec] = [
                                                                          "kv_a_layernorm", "kv_b_proj", "g_proj",
                                                                          "dense")],
     _layer("attention.dense:in", "attention.dense", io="input", index=0, kind="mla"),
-    # MLP (facts §5)
+    # MLP (facts §5). The MoE block may return a tuple (the official one: `(y, (router_logits, topk_idx))`): `mlp` is
+    # element 0 (a plain tensor output is taken as is).
     *[_layer(f"mlp.{p}", f"mlp.{p}", mlp="dense") for p in ("gate_proj", "up_proj", "down_proj")],
     _layer("mlp.shared_experts", "mlp.shared_experts", mlp="moe"),
-    _layer("mlp", "mlp"),
+    _layer("mlp", "mlp", index=0),
+    # MTP layer only (facts §2): enorm(embedding), hnorm(main hidden), eh_proj on their concatenation, final norm
+    *[_layer(s, s, scope="mtp") for s in ("enorm", "hnorm", "eh_proj", "final_layernorm")],
+    _layer("final_layernorm:in", "final_layernorm", io="input", index=0, scope="mtp"),
+]
+
+# The official file's own structure where it exposes points without taps: the gate returns (topk_idx, topk_weight,
+# logits) with flat [B*T, ...] shapes; `moe_infer` returns the routed experts' weighted sum [B*T, D]; the MLA calls
+# the module-global `eager_attention_forward`, whose output 0 is the attention output before the head gate
+# [B, T, H, v] (`attention.core`). The MLA head gate (an inline sigmoid) is not exposed.
+_OFFICIAL_STRUCTURE: list[TapSpec] = [
+    _layer("mlp.gate.topk_idx", "mlp.gate", index=0, mlp="moe"),
+    _layer("mlp.gate.topk_weight", "mlp.gate", index=1, mlp="moe"),
+    _layer("mlp.gate.logits", "mlp.gate", index=2, mlp="moe"),
+    _layer("mlp.routed", "mlp", method="moe_infer", mlp="moe"),
+    _layer("attention.core", "attention", function="eager_attention_forward", index=0, kind="mla"),
 ]
 
 # The twin's parameter-free observation taps (parity/torch_ref/twin): points the official code computes inside kernels.
@@ -113,8 +153,15 @@ _NATIVE: list[TapSpec] = [
 
 RUNTIME_MAPS: dict[str, list[TapSpec]] = {
     "twin": _OFFICIAL_NAMES + _TWIN_TAPS,
-    "official": _OFFICIAL_NAMES,  # + KDA gate/beta/core/state from the fla CPU stand-ins' observer, when installed
+    # + KDA gate/beta/core/state from the fla CPU stand-ins' observer, when installed
+    "official": _OFFICIAL_NAMES + _OFFICIAL_STRUCTURE,
     "native": _NATIVE,
+}
+
+# Why a map lacks a site (recorded with the site in the dump's unavailable table).
+UNEXPOSED = {
+    ("official", "attention.gate"): "the official MLA computes its head gate as an inline sigmoid of g_proj (no module, "
+                                    "method or function call to read it from)",
 }
 
 # Sites read from fla_cpu's KDA observer (official file on CPU): observer key -> site.
@@ -140,14 +187,23 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().numpy().copy()
 
 
-Sink = Callable[[Point, np.ndarray, dict], None]
+AnyPoint = Point | MtpPoint
+Sink = Callable[[AnyPoint, np.ndarray, dict], None]
+
+
+def _point_order(p: AnyPoint) -> tuple:
+    """Sort key over main and MTP points of one (phase, step): model-level, layers, then MTP layers."""
+    if isinstance(p, MtpPoint):
+        return (2, p.mtp, p.site)
+    return (0 if p.layer is None else 1, -1 if p.layer is None else p.layer, p.site)
 
 
 class Capture:
     """Registers hooks for a runtime map on a model and streams canonical points to `sink` as they fire.
 
     Use as a context manager; call `begin(phase, step, batch, seq)` before each forward. `layers` / `sites` filter
-    (site glob patterns). `fired` records which points were seen, for the coverage check (`missing()`).
+    (site glob patterns); `mtp` captures the MTP layers the config declares (`num_nextn_predict_layers`) when the
+    model has them. `fired` records which points were seen, for the coverage check (`missing()`).
     """
 
     def __init__(
@@ -159,20 +215,27 @@ class Capture:
         *,
         layers: Iterable[int] | None = None,
         sites: Iterable[str] | None = None,
+        mtp: bool = True,
     ) -> None:
         self.model, self.cfg, self.map_name, self.sink = model, cfg, map_name, sink
         self.layers = set(range(cfg.num_hidden_layers)) if layers is None else set(layers)
         self.site_patterns = list(sites) if sites else None
+        self.want_mtp = bool(mtp)
+        self.mtp_layers: list[int] = []  # checkpoint indices N+j of the MTP layers being captured
         self.handles: list = []
+        self._restore: list[Callable[[], None]] = []
         self.phase, self.step, self.batch, self.seq = "prefill", 0, 0, 0
-        self.fired: set[Point] = set()
-        self.expected: set[Point] = set()
-        self._pending_topk: dict[Point, dict[str, np.ndarray]] = {}
+        self.fired: set[AnyPoint] = set()
+        self.expected: set[AnyPoint] = set()
+        self._pending_topk: dict[AnyPoint, dict[str, np.ndarray]] = {}
         self._current_kda_layer: int | None = None
+        self._calls: dict[str, int] = {}  # model-level site -> calls in this forward (mtp_calls specs)
+        self._running: dict[str, list[int]] = {}  # function name -> stack of layers whose module is running
+        self._fn_specs: dict[str, list[tuple[int | None, TapSpec]]] = {}  # function name -> what it feeds
 
     # ---------------------------------------------------------------- selection
     def wants(self, layer: int | None, site: str) -> bool:
-        if layer is not None and layer not in self.layers:
+        if layer is not None and layer not in self.layers and layer not in self.mtp_layers:
             return False
         if self.site_patterns is None:
             return True
@@ -192,32 +255,68 @@ class Capture:
         """Canonical sites of layer i this runtime cannot provide (recorded as unavailable, never as zeros)."""
         return [s for s in sites_for_config(self.cfg, layer) if s not in self.provided_sites(layer)]
 
+    def unavailable_mtp_sites(self) -> list[str]:
+        """Canonical MTP sites this runtime map cannot provide (embed/logits come from `mtp_calls` model specs)."""
+        n = self.cfg.num_hidden_layers
+        have = self.provided_sites(n) | {s.site for s in RUNTIME_MAPS[self.map_name] if s.mtp_calls}
+        return [s for s in mtp_sites(self.cfg) if s not in have]
+
+    def unexposed_reason(self, site: str) -> str:
+        return UNEXPOSED.get((self.map_name, site), f"the {self.map_name} runtime does not expose {site}")
+
     def _applies(self, spec: TapSpec, i: int) -> bool:
+        mtp = i >= self.cfg.num_hidden_layers
+        if spec.scope == ("mtp" if not mtp else "main"):
+            return False
         if spec.kind and spec.kind != self.cfg.layer_kind(i):
             return False
         if spec.mlp and spec.mlp != ("moe" if self.cfg.is_moe(i) else "dense"):
             return False
         return True
 
+    def point(self, layer: int | None, site: str) -> AnyPoint:
+        """The canonical point of (current phase/step, layer, site); layers from N on are MTP layers."""
+        n = self.cfg.num_hidden_layers
+        if layer is not None and layer >= n:
+            return MtpPoint(self.phase, self.step, layer - n, site)
+        return Point(self.phase, self.step, layer, site)
+
     # ---------------------------------------------------------------- hooks
     def __enter__(self) -> "Capture":
         modules = dict(self.model.named_modules())
         prefix = "" if "lm_head" in modules or "model" in modules else "model."  # specs are CausalLM-rooted
+
+        def find(path: str):
+            return modules.get(path if prefix == "" else path.removeprefix("model."))
+
+        n = self.cfg.num_hidden_layers
+        if self.want_mtp:  # MTP layers the config declares and the model holds (facts §2)
+            self.mtp_layers = [n + j for j in range(self.cfg.num_nextn_predict_layers)
+                               if find(f"model.layers.{n + j}.eh_proj") is not None]
         for spec in RUNTIME_MAPS[self.map_name]:
             targets: list[tuple[int | None, str]]
             if "{i}" in spec.module:
-                targets = [(i, spec.module.format(i=i)) for i in sorted(self.layers) if self._applies(spec, i)]
+                targets = [(i, spec.module.format(i=i)) for i in sorted(self.layers) + self.mtp_layers
+                           if self._applies(spec, i)]
             else:
                 targets = [(None, spec.module)]
             for layer, path in targets:
                 if not self.wants(layer, spec.site):
                     continue
                 path = path.rstrip(".")
-                mod = modules.get(path if prefix == "" else path.removeprefix("model."))
+                mod = find(path)
                 if mod is None:
                     continue  # e.g. q_a_proj on a no-q-LoRA model: the coverage check reports what is missing
-                self.expected.add(Point("prefill", 0, layer, spec.site))
-                self.handles.append(self._hook(mod, spec, layer))
+                self.expected.add(Point("prefill", 0, layer, spec.site) if layer is None or layer < n
+                                  else MtpPoint("prefill", 0, layer - n, spec.site))
+                if layer is None and spec.mtp_calls:
+                    self.expected |= {MtpPoint("prefill", 0, i - n, spec.site) for i in self.mtp_layers}
+                if spec.function:
+                    self._function_tap(mod, spec, layer)
+                elif spec.method:
+                    self._method_tap(mod, spec, layer)
+                else:
+                    self.handles.append(self._hook(mod, spec, layer))
         if self.map_name == "official" and _observer_available():
             self._install_observer(modules, prefix)
         return self
@@ -226,17 +325,21 @@ class Capture:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        for undo in reversed(self._restore):
+            undo()
+        self._restore.clear()
         if self.map_name == "official" and _observer_available():
             from parity.torch_ref import fla_cpu
 
             fla_cpu.set_kda_observer(None)
 
-    def _hook(self, mod: torch.nn.Module, spec: TapSpec, layer: int | None):
-        def pick(value):
-            if spec.index is not None and isinstance(value, (tuple, list)):
-                return value[spec.index]
-            return value
+    @staticmethod
+    def _pick(spec: TapSpec, value):
+        if spec.index is not None and isinstance(value, (tuple, list)):
+            return value[spec.index]
+        return value
 
+    def _hook(self, mod: torch.nn.Module, spec: TapSpec, layer: int | None):
         if spec.io == "input":
             def pre_hook(_m, args, kwargs):
                 i = spec.index or 0
@@ -247,11 +350,74 @@ class Capture:
             return mod.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
         def hook(_m, _args, output):
-            value = pick(output)
-            if isinstance(value, torch.Tensor):
-                self.emit(layer, spec.site, value, module=spec.module, io="output")
+            value = self._pick(spec, output)
+            if not isinstance(value, torch.Tensor):
+                return
+            if layer is None and spec.mtp_calls:
+                k = self._calls.get(spec.site, 0)
+                self._calls[spec.site] = k + 1
+                if k > 0:  # the (1+j)-th call of a forward: MTP layer j (facts §2)
+                    j = k - 1
+                    if j < len(self.mtp_layers) and self.wants(self.mtp_layers[j], spec.site):
+                        self.emit(self.mtp_layers[j], spec.site, value, module=spec.module, io="output")
+                        return
+            self.emit(layer, spec.site, value, module=spec.module, io="output")
 
         return mod.register_forward_hook(hook)
+
+    def _method_tap(self, mod: torch.nn.Module, spec: TapSpec, layer: int | None) -> None:
+        """Bind a reading wrapper of `mod.<method>` on the instance; removed at exit (the class method is untouched)."""
+        if spec.method in vars(mod):
+            raise ParityError(f"{self.map_name} runtime: {spec.module}.{spec.method} is already an instance attribute; "
+                              "cannot observe it")
+        orig = getattr(mod, spec.method)
+
+        def wrapper(*args, **kwargs):
+            out = orig(*args, **kwargs)
+            value = self._pick(spec, out)
+            if isinstance(value, torch.Tensor):
+                self.emit(layer, spec.site, value, module=f"{spec.module}.{spec.method}", io="output")
+            return out
+
+        setattr(mod, spec.method, wrapper)
+        self._restore.append(lambda: delattr(mod, spec.method))
+
+    def _function_tap(self, mod: torch.nn.Module, spec: TapSpec, layer: int | None) -> None:
+        """Observe the module-level function `spec.function` of `mod`'s Python module while `mod` runs."""
+        pymod = sys.modules.get(type(mod).__module__)
+        fn_name = spec.function
+        if pymod is None or not callable(getattr(pymod, fn_name, None)):
+            return  # not this runtime's structure: the coverage check reports the site as missing
+        stack = self._running.setdefault(fn_name, [])
+
+        def enter(_m, _args):
+            stack.append(layer)
+
+        def leave(_m, _args, _out):
+            if stack:
+                stack.pop()
+
+        self.handles.append(mod.register_forward_pre_hook(enter))
+        self.handles.append(mod.register_forward_hook(leave))
+        specs = self._fn_specs.setdefault(fn_name, [])  # (layer, spec) pairs observed through this function
+        specs.append((layer, spec))
+        if len(specs) > 1:
+            return  # the wrapper is installed once per function
+        orig = getattr(pymod, fn_name)
+
+        def wrapper(*args, **kwargs):
+            out = orig(*args, **kwargs)
+            if stack:
+                cur = stack[-1]
+                for lay, sp in specs:
+                    if lay == cur:
+                        value = self._pick(sp, out)
+                        if isinstance(value, torch.Tensor):
+                            self.emit(lay, sp.site, value, module=f"{sp.module}:{fn_name}", io="output")
+            return out
+
+        setattr(pymod, fn_name, wrapper)
+        self._restore.append(lambda: setattr(pymod, fn_name, orig))
 
     def _install_observer(self, modules, prefix) -> None:
         from parity.torch_ref import fla_cpu
@@ -278,12 +444,17 @@ class Capture:
     # ---------------------------------------------------------------- emission
     def begin(self, phase: str, step: int, batch: int, seq: int) -> None:
         self.phase, self.step, self.batch, self.seq = phase, step, batch, seq
+        self._calls.clear()
 
     def emit(self, layer: int | None, site: str, t: torch.Tensor, *, module: str, io: str) -> None:
-        point = Point(self.phase, self.step, layer, site)
+        point = self.point(layer, site)
         arr = to_numpy(t)
         shape_names = ""
-        canon = canonical_shape(self.cfg, layer, site, self.batch, self.seq)
+        n = self.cfg.num_hidden_layers
+        # MTP layers have the shapes of an MLA + MoE layer (facts §2); their model-level sites (embed, logits) those
+        # of the model's.
+        shape_layer = layer if layer is None or layer < n else (None if site in ("embed", "logits") else n)
+        canon = canonical_shape(self.cfg, shape_layer, site, self.batch, self.seq)
         if site == "attention.kv_b_proj" and arr.ndim == 4 and arr.shape[2] > self.seq:
             # the built-in re-expands the whole latent cache at each decode step: keep this step's positions
             arr = arr[:, :, -self.seq:, :]
@@ -296,15 +467,15 @@ class Capture:
                 )
             arr = arr.reshape(shape)
         elif arr.ndim == 2 and arr.shape[0] == self.batch * self.seq:
-            arr = arr.reshape(self.batch, self.seq, arr.shape[1])  # flat [B*T, D] (built-in MoE experts)
+            arr = arr.reshape(self.batch, self.seq, arr.shape[1])  # flat [B*T, D] (built-in / official MoE experts)
         if site in ("mlp.gate.topk_idx", "mlp.gate.topk_weight"):
             self._pair_topk(point, site, arr, module)
             return
         self._deliver(point, arr, module=module, io=io, shape_names=shape_names)
 
-    def _pair_topk(self, point: Point, site: str, arr: np.ndarray, module: str) -> None:
+    def _pair_topk(self, point: AnyPoint, site: str, arr: np.ndarray, module: str) -> None:
         """Write top-k ids and weights in canonical order (ascending expert id per token), once both arrived."""
-        key = Point(point.phase, point.step, point.layer, "mlp.gate.topk")
+        key = _with_site(point, "mlp.gate.topk")
         slot = self._pending_topk.setdefault(key, {})
         slot[site] = arr
         if len(slot) < 2:
@@ -314,23 +485,38 @@ class Capture:
         del self._pending_topk[key]
         for s, a in (("mlp.gate.topk_idx", np.take_along_axis(idx, order, -1).astype(np.int32)),
                      ("mlp.gate.topk_weight", np.take_along_axis(w, order, -1))):
-            self._deliver(Point(point.phase, point.step, point.layer, s), a, module=module, io="output",
-                          shape_names="B,T,K")
+            self._deliver(_with_site(point, s), a, module=module, io="output", shape_names="B,T,K")
 
-    def _deliver(self, point: Point, arr: np.ndarray, **attrs) -> None:
+    def _deliver(self, point: AnyPoint, arr: np.ndarray, **attrs) -> None:
         if point in self.fired:
             # A module called twice in one forward (e.g. a shared sub-module) must not overwrite silently.
             raise ParityError(f"{self.map_name} runtime: point {point.key()} fired twice in one forward")
         self.fired.add(point)
         self.sink(point, arr, attrs)
 
-    def missing(self, phase: str, step: int) -> list[Point]:
-        """Points whose hook was registered but did not fire in the given (phase, step)."""
-        seen = {(p.layer, p.site) for p in self.fired if p.phase == phase and p.step == step}
-        return sorted(
-            (Point(phase, step, p.layer, p.site) for p in self.expected if (p.layer, p.site) not in seen),
-            key=lambda p: (p.layer if p.layer is not None else -1, p.site),
-        )
+    def mtp_ran(self, phase: str, step: int) -> bool:
+        """Whether any MTP point fired in (phase, step) (a runtime that builds the MTP layer may never call it)."""
+        return any(isinstance(p, MtpPoint) and p.phase == phase and p.step == step for p in self.fired)
+
+    def missing(self, phase: str, step: int, *, mtp: bool = True) -> list[AnyPoint]:
+        """Points whose hook was registered but did not fire in the given (phase, step) (MTP ones only with `mtp`)."""
+        def rel(p: AnyPoint):  # (phase, step)-free identity
+            return (p.mtp, p.site, "mtp") if isinstance(p, MtpPoint) else (p.layer, p.site, "main")
+
+        seen = {rel(p) for p in self.fired if p.phase == phase and p.step == step}
+        out = []
+        for p in self.expected:
+            if rel(p) in seen or (isinstance(p, MtpPoint) and not mtp):
+                continue
+            out.append(MtpPoint(phase, step, p.mtp, p.site) if isinstance(p, MtpPoint)
+                       else Point(phase, step, p.layer, p.site))
+        return sorted(out, key=_point_order)
+
+
+def _with_site(p: AnyPoint, site: str) -> AnyPoint:
+    if isinstance(p, MtpPoint):
+        return MtpPoint(p.phase, p.step, p.mtp, site)
+    return Point(p.phase, p.step, p.layer, site)
 
 
 def _observer_available() -> bool:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from parity.config import PRESETS, Ling3Config
-from parity.errors import CheckpointError, ConfigError
+from parity.errors import CheckpointError, ConfigError, ParityError
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 DTYPES = {"bfloat16": 2, "float32": 4}
@@ -323,7 +323,7 @@ def directory_digest(path: str | Path) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: make_ckpt.py --preset {tiny,tiny-flash,ling3-tiny} --seed N --out DIR [--layers N] [--dtype bf16|fp32]
-    [--max-shard-mb M] [--force]."""
+    [--max-shard-mb M] [--modeling twin|official] [--force]."""
     import argparse
     import sys
 
@@ -336,12 +336,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--max-shard-mb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 2**20,
                     help="shard size limit in MiB (default %(default)s)")
+    ap.add_argument("--modeling", choices=("twin", "official"), default="twin",
+                    help="remote code in the checkpoint: the suite's twin (default) or the official "
+                         "modeling_bailing_moe_v3.py from $LING3_OFFICIAL_MODELING or "
+                         "~/.cache/ling3-parity/official/ (sha256-verified; never copied into the repository)")
     ap.add_argument("--force", action="store_true", help="replace an existing checkpoint directory")
     a = ap.parse_args(argv)
     try:
+        if a.modeling == "official":
+            from parity.torch_ref import official
+
+            official.locate()  # before writing anything: one line saying how to provide the file
         path = make_checkpoint(a.out, a.preset, seed=a.seed, layers=a.layers, dtype=a.dtype,
                                max_shard_bytes=int(a.max_shard_mb * 2**20), force=a.force)
-    except (CheckpointError, ConfigError) as e:
+        if a.modeling == "official":
+            official.install(path)
+    except (CheckpointError, ConfigError, ParityError) as e:
         print(f"make_ckpt: error: {e}", file=sys.stderr)
         return 2
     n = len(directory_digest(path))

@@ -23,7 +23,8 @@ import torch
 
 from parity.config import Ling3Config
 from parity.errors import ParityError
-from parity.points import Point, sites_for_config
+from parity.mtp_points import mtp_group
+from parity.points import Point
 from parity.torch_ref.capture import Capture, runtime_map_name, to_numpy
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -51,6 +52,9 @@ class DumpOptions:
     compression: str = "lzf"  # dumpfile.COMPRESSIONS: "lzf" (default) or "none" (cheaper writes, ~15 % bigger)
     # runtime "remote" runs the checkpoint's own Python files only if True, or if they are the suite's twin
     trust_remote_code: bool = False
+    # MTP layers (group MTP{j}, parity.mtp_points): None = captured when every main layer is dumped (no --layers)
+    mtp: bool | None = None
+    semantics_probe: bool = True  # probe the semantic forks (parity.torch_ref.semantics) into the `semantics` attr
 
 
 @dataclass
@@ -64,6 +68,7 @@ class DumpSummary:
     unavailable: dict = field(default_factory=dict)
     seconds_write: float = 0.0  # of seconds_forward: inside the HDF5 writer (compression, I/O, final flush + seal)
     array_bytes: int = 0  # uncompressed bytes of the arrays written (0 for --stats-only)
+    semantics: dict | None = None  # the `semantics` root attr (parity.semantics), None when not probed
 
 
 def point_stats(arr: np.ndarray) -> dict:
@@ -135,16 +140,57 @@ def _determinism(seed: int) -> dict:
 
 
 CAUSALITY_RTOL = 1e-3  # causal: exactly 0 measured (bf16 and fp32); a leak: 7-35 % of the output scale (tiny-flash)
+# The guard runs on the first GUARD_MAX_TOKENS prompt tokens: causality is structural, and > 64 tokens takes the
+# official KDA's chunked kernel (its recurrent one is checked by prompts ≤ 64). Bounds its cost on long prompts
+# (README "Performance": the guard's share of a Ling3-Tiny-shaped dump).
+GUARD_MAX_TOKENS = 80
+
+NATIVE_LIMITS = ("transformers' built-in bailing_hybrid is Flash-shaped: no q-LoRA (q_lora_rank must be null), no "
+                 "SwiGLU clamp (expert_/share_expert_swiglu_limit_list must be null or all 0), no MTP layer")
+
+
+def check_native_supports(cfg: Ling3Config, ckpt_dir) -> None:
+    """Refuse, in one line and before loading, a checkpoint the native runtime cannot represent (NATIVE_LIMITS):
+    q-LoRA would load with random q weights refused later; a clamp would be silently ignored."""
+    why = []
+    if cfg.q_lora:
+        why.append(f"q_lora_rank = {cfg.q_lora_rank}")
+    if cfg.has_swiglu_clamp:
+        why.append("SwiGLU clamp limits are set")
+    if why:
+        raise ParityError(f"{ckpt_dir}: --runtime native cannot dump this checkpoint ({'; '.join(why)}): "
+                          f"{NATIVE_LIMITS}")
 
 
 def _attention_modules(model) -> list[tuple[int, torch.nn.Module]]:
-    """(layer index, token-mixing module) of every main decoder layer: `attention` (official/twin) or `self_attn`
-    (transformers' built-in bailing_hybrid). The MTP layer (kept after the main layers) is not in the forward."""
+    """(layer index, token-mixing module) of every decoder layer: `attention` (official/twin) or `self_attn`
+    (transformers' built-in bailing_hybrid), the MTP layers' (after the main layers) included where the model has
+    them (they run in the forward when num_nextn_predict_layers > 0)."""
     out = []
-    for i, layer in enumerate(model.model.layers[:model.config.num_hidden_layers]):
+    n = model.config.num_hidden_layers
+    for i, layer in enumerate(model.model.layers):
         mod = getattr(layer, "attention", None) or getattr(layer, "self_attn", None)
         if mod is None:
+            if i >= n:
+                continue
             raise ParityError(f"causality guard: decoder layer {i} ({type(layer).__name__}) has no attention/self_attn")
+        out.append((i, mod))
+    return out
+
+
+KDA_LAYERS_CHECKED = 1  # KDA attention modules the causality guard re-runs (the first ones; see causality_guard)
+
+
+def _guarded_modules(model, cfg: Ling3Config | None) -> list[tuple[int, torch.nn.Module]]:
+    """The attention modules the causality guard checks: every MLA (and MTP) layer's, the first KDA layers' (all of
+    them without a config to tell the kinds)."""
+    out, kda = [], 0
+    n = model.config.num_hidden_layers
+    for i, mod in _attention_modules(model):
+        if cfg is not None and i < n and cfg.layer_kind(i) == "kda":
+            kda += 1
+            if kda > KDA_LAYERS_CHECKED:
+                continue
         out.append((i, mod))
     return out
 
@@ -153,13 +199,63 @@ def _first_tensor(x):
     return x if isinstance(x, torch.Tensor) else next(t for t in x if isinstance(t, torch.Tensor))
 
 
-def causality_guard(model, input_ids: torch.Tensor, *, rtol: float = CAUSALITY_RTOL) -> dict:
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache_params")
+
+
+def _cut_call(args: tuple, kwargs: dict, T: int, Tg: int, where: str) -> tuple[tuple, dict]:
+    """A recorded prefill call of an attention module, cut to its first Tg positions and without the cache (the
+    runtimes' known call arguments: hidden states, 2-D / 4-D attention masks, RoPE tables, positions)."""
+    def cut(name, v):
+        if name in _CACHE_KWARGS:
+            return None
+        if name == "use_cache":
+            return False
+        if isinstance(v, tuple) and name == "position_embeddings":
+            return tuple(t[:, :Tg] for t in v)
+        if not isinstance(v, torch.Tensor) or T == Tg:
+            return v
+        if name == "attention_mask" and v.dim() == 4:
+            return v[:, :, :Tg, :Tg]
+        if name == "cache_position" and v.dim() == 1:
+            return v[:Tg]
+        if v.dim() >= 2 and v.shape[1] == T:
+            return v[:, :Tg]
+        if T in v.shape:
+            raise ParityError(f"causality guard: {where}: cannot cut its argument {name} {tuple(v.shape)} to "
+                              f"{Tg} positions")
+        return v
+
+    args = tuple(cut("hidden_states" if j == 0 else f"arg{j}", a) for j, a in enumerate(args))
+    return args, {k: cut(k, v) for k, v in kwargs.items()}
+
+
+def record_guarded_calls(model, cfg: Ling3Config | None) -> tuple[dict, list]:
+    """Pre-hooks recording the first call of each guarded attention module (see causality_guard): (calls, handles);
+    remove the handles after the forward."""
+    calls: dict[int, tuple] = {}
+    handles = []
+    for i, mod in _guarded_modules(model, cfg):
+        def record(_m, args, kwargs, i=i):
+            calls.setdefault(i, (args, dict(kwargs)))
+        handles.append(mod.register_forward_pre_hook(record, with_kwargs=True))
+    return calls, handles
+
+
+def causality_guard(model, input_ids: torch.Tensor, *, rtol: float = CAUSALITY_RTOL,
+                    cfg: Ling3Config | None = None, recorded: dict | None = None) -> dict:
     """Per-layer causality test of the token-mixing modules (official_remote_code.md §2).
 
-    One prefill records, for every decoder layer, the call of its attention module (KDA or MLA: the only modules that
-    mix tokens). Each module is then called again on its recorded input, and on that input with every row from
-    position L on replaced; a causal module's outputs at positions < L do not move (same shapes, same kernel path,
-    masked terms contribute exact zeros), a leaking one moves them by a large fraction of the output scale.
+    The prefill of the dump itself (`recorded`, from `record_guarded_calls`), or else one prefill of the base model,
+    records the call of each checked attention module (KDA or MLA: the only modules that mix tokens): every MLA layer's (MTP layers included where they
+    run; the mask handling of ORC §2 lives there), and the first KDA layer's — the KDA code path takes no mask (the
+    official KDA drops it), so one layer exercises it, and it is the costly one (`KDA_LAYERS_CHECKED`). Each module
+    is then called once more, on its first GUARD_MAX_TOKENS positions and without a cache, on a batch of variants of
+    its recorded input: the input itself, and for each prefix length L the input with every row from position L on
+    replaced. A causal module's outputs at positions < L equal
+    those of the unchanged variant in the same call (same shapes, same kernel path, masked terms contribute exact
+    zeros); a leaking one moves them by a large fraction of the output scale. Cost: one batched call per checked
+    layer, plus a base-model prefill when nothing was recorded (README "Performance": the guard's share of a
+    Ling3-Tiny-shaped dump).
 
     (Comparing whole-model logits instead — session-1's form of this guard — is exact on small models but not on a
     24-layer bf16 one: the MoE's per-expert GEMMs change shape when later tokens change their routing, which moves
@@ -167,39 +263,48 @@ def causality_guard(model, input_ids: torch.Tensor, *, rtol: float = CAUSALITY_R
     Ling3-Tiny). Comparing a shorter prefix mixes in kernel-path noise: the official KDA is recurrent up to 64
     tokens and chunked beyond.)"""
     ids = torch.as_tensor(input_ids)
-    T = ids.shape[1]
+    B, T_full = ids.shape
+    T = min(T_full, GUARD_MAX_TOKENS)
     if T < 2:
         return {"checked": False, "reason": "prompt of one token"}
-    lengths = sorted({L for L in (1, T // 4, T // 2, T - 1) if 1 <= L < T})
-    calls: dict[int, tuple] = {}
-    handles = []
-    for i, mod in _attention_modules(model):
-        def record(_m, args, kwargs, i=i):
-            calls.setdefault(i, (args, dict(kwargs)))
-        handles.append(mod.register_forward_pre_hook(record, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
+    lengths = sorted({L for L in (T // 4, T // 2, T - 1) if 1 <= L < T})  # position 0 is before every L
+    checked = _guarded_modules(model, cfg)
+    if recorded is None:
+        calls, handles = record_guarded_calls(model, cfg)
+        try:
+            with torch.no_grad():
+                # the base model only: the attention inputs are all it needs, and the LM head is the biggest GEMM of
+                # a real-vocabulary model (Ling3-Tiny: 157k x 1536 per token)
+                getattr(model, "model", model)(input_ids=ids[:, :T], use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        T_rec = T
+    else:
+        calls, T_rec = recorded, T_full
     worst = {"max_abs_diff": 0.0}
+    n = model.config.num_hidden_layers
     with torch.no_grad():
-        for i, mod in _attention_modules(model):
+        for i, mod in checked:
             if i not in calls:
+                if i >= n:
+                    continue  # an MTP layer the runtime builds but does not run
                 raise ParityError(f"causality guard: the attention module of layer {i} was not called in a prefill")
-            args, kwargs = calls[i]
+            args, kwargs = _cut_call(*calls[i], T_rec, T, f"layer {i}'s {type(mod).__name__}")
             key = "hidden_states" if "hidden_states" in kwargs else None
             x = kwargs[key] if key else args[0]
-
-            def run(h):
-                return _first_tensor(mod(**{**kwargs, key: h}) if key else mod(h, *args[1:], **kwargs)).float()
-
-            ref = run(x)
-            for L in lengths:
-                alt = x.clone()
-                alt[:, L:] = -x[:, L:].flip(1) + 1  # other rows of the same scale from position L on
-                d = float((run(alt)[:, :L] - ref[:, :L]).abs().max())
+            # one call on all variants, stacked along the batch (the mask / RoPE tables broadcast over it): the
+            # recorded input first, then one variant per L with other rows of the same scale from position L on
+            alt = x.repeat(1 + len(lengths), 1, 1)
+            for j, L in enumerate(lengths, start=1):
+                alt[j * B:(j + 1) * B, L:] = -x[:, L:].flip(1) + 1
+            out = _first_tensor(mod(**{**kwargs, key: alt}) if key else mod(alt, *args[1:], **kwargs)).float()
+            if out.shape[0] != alt.shape[0]:
+                raise ParityError(f"causality guard: layer {i}'s {type(mod).__name__} returned batch {out.shape[0]} "
+                                  f"for a batch of {alt.shape[0]} input variants")
+            ref = out[:B]
+            for j, L in enumerate(lengths, start=1):
+                d = float((out[j * B:(j + 1) * B, :L] - ref[:, :L]).abs().max())
                 scale = float(ref[:, :L].abs().max().clamp_min(1e-30))
                 if d > worst["max_abs_diff"]:
                     worst = {"max_abs_diff": d, "layer": i, "prefix_length": L, "output_scale": scale}
@@ -210,8 +315,16 @@ def causality_guard(model, input_ids: torch.Tensor, *, rtol: float = CAUSALITY_R
                         f"max|Δ| = {d:.3g} (> {rtol:g} × max|out| {scale:.3g}); load with attn_implementation='eager' "
                         "(official_remote_code.md §2)")
     return {"checked": True, "causal": True,
-            "method": "each layer's attention module: rows from L on replaced, earlier outputs unchanged",
-            "prompt_length": T, "prefix_lengths": lengths, "layers": len(calls), "rtol": rtol, **worst}
+            "method": "each layer's attention module, one batched call: its recorded prefill input and, per L, that "
+                      "input with the rows from L on replaced; outputs before L unchanged",
+            "prompt_length": T, "inputs": "the dump's prefill" if recorded is not None else "a base-model prefill",
+            "prefix_lengths": lengths, "layers": sorted(calls), "rtol": rtol, **worst}
+
+
+def _mtp_capture(opts: DumpOptions, cfg: Ling3Config) -> bool:
+    if cfg.num_nextn_predict_layers <= 0:
+        return False
+    return opts.layers is None if opts.mtp is None else bool(opts.mtp)
 
 
 def _cache_snapshot(pkv, cfg: Ling3Config, layer: int) -> dict[str, torch.Tensor]:
@@ -274,6 +387,8 @@ def dump_checkpoint(
     bad = [i for i in layers if not 0 <= i < cfg.num_hidden_layers]
     if bad:
         raise ParityError(f"--layers {bad}: the model has layers 0..{cfg.num_hidden_layers - 1}")
+    if opts.runtime == "native":
+        check_native_supports(cfg, ckpt_dir)
 
     t0 = time.perf_counter()
     cpu_kernels = opts.cpu_kernels if opts.cpu_kernels is not None else opts.device == "cpu"
@@ -286,8 +401,13 @@ def dump_checkpoint(
         device = next(model.parameters()).device
         guards = dict(loaded.guards)
         t_ids = torch.as_tensor(ids, device=device)
-        if opts.causality_check:
-            guards["causality"] = causality_guard(model, t_ids)
+        if opts.causality_check:  # run on the prefill's own inputs, right after it (see below)
+            guards["causality"] = {"checked": False, "reason": "the dump did not finish its prefill"}
+        semantics = None
+        if opts.semantics_probe:
+            from parity.torch_ref.semantics import probe
+
+            semantics = probe(model, cfg, t_ids)
         guards["decode_positions"] = "explicit position_ids and cache_position at every decode step"
         guards["batch"] = f"{ids.shape[0]} sequence(s) of equal length {ids.shape[1]} (no padding)"
         t_load = time.perf_counter() - t0
@@ -310,6 +430,7 @@ def dump_checkpoint(
             "stats_only": opts.stats_only,
             "layers_dumped": layers,
             "sites_filter": list(opts.sites) if opts.sites else [],
+            **({"semantics": semantics} if semantics is not None else {}),
             **(extra_meta or {}),
         }
         map_name = runtime_map_name(model, "native" if opts.runtime == "native" else "remote")
@@ -333,20 +454,36 @@ def dump_checkpoint(
                 (background.put if background else write_point)(point, arr, attrs)
 
             try:
-                cap = Capture(model, cfg, map_name, sink, layers=layers, sites=opts.sites)
+                want_mtp = _mtp_capture(opts, cfg)
+                cap = Capture(model, cfg, map_name, sink, layers=layers, sites=opts.sites, mtp=want_mtp)
                 unavailable: dict[str, str] = {}
                 for i in layers:
                     for site in cap.unavailable_sites(i):
                         if cap.wants(i, site):
-                            unavailable[f"L{i:02d}/{site}"] = f"the {map_name} runtime does not expose {site}"
+                            unavailable[f"L{i:02d}/{site}"] = cap.unexposed_reason(site)
                 all_tokens = [ids]
                 progress = _progress(opts.progress, (1 + opts.decode_steps) * len(layers))
                 with cap, torch.no_grad():
+                    if want_mtp:
+                        for j in range(cfg.num_nextn_predict_layers):
+                            if cfg.num_hidden_layers + j not in cap.mtp_layers:
+                                unavailable[f"{mtp_group(j)}/*"] = (f"the {map_name} runtime has no MTP layer "
+                                                                    f"model.layers.{cfg.num_hidden_layers + j}")
+                            else:
+                                for site in cap.unavailable_mtp_sites():
+                                    if cap.wants(cfg.num_hidden_layers + j, site):
+                                        unavailable[f"{mtp_group(j)}/{site}"] = cap.unexposed_reason(site)
                     _count_layers(model, cfg, layers, progress, cap)
                     cap.begin("prefill", 0, B, T)
                     pos = torch.arange(T, device=device)
-                    out = model(input_ids=t_ids, position_ids=pos[None].expand(B, T), cache_position=pos,
-                                attention_mask=torch.ones(B, T, dtype=torch.long, device=device), use_cache=True)
+                    guard_calls, guard_hooks = (record_guarded_calls(model, cfg) if opts.causality_check
+                                                else ({}, []))
+                    try:
+                        out = model(input_ids=t_ids, position_ids=pos[None].expand(B, T), cache_position=pos,
+                                    attention_mask=torch.ones(B, T, dtype=torch.long, device=device), use_cache=True)
+                    finally:
+                        for h in guard_hooks:
+                            h.remove()
                     pkv = out.past_key_values
                     _snapshot(cap, sink, written, pkv, cfg, layers, "prefill", 0, opts)
                     logits = out.logits
@@ -365,23 +502,37 @@ def dump_checkpoint(
                         pkv, logits = out.past_key_values, out.logits
                         _snapshot(cap, sink, written, pkv, cfg, layers, "decode", k, opts)
                 progress.close()
+                if opts.causality_check:  # outside the capture (its hooks must not see the guard's calls); a leak
+                    t_guard = time.perf_counter()  # raises here: the dump is abandoned, no file is left
+                    with torch.no_grad():
+                        guards["causality"] = causality_guard(model, t_ids, cfg=cfg, recorded=guard_calls)
+                    guards["causality"]["seconds"] = round(time.perf_counter() - t_guard, 3)
+                    writer.set_meta("guards", guards)
             except BaseException:
                 if background:
                     background.close(raise_error=False)  # stop writing before the writer deletes its file
                 raise
             if background:
                 background.close()  # the remaining points are written; a write error is raised here
-            missing = [p.key() for s in [("prefill", 0)] + [("decode", k) for k in range(1, opts.decode_steps + 1)]
-                       for p in cap.missing(*s)]
+            steps = [("prefill", 0)] + [("decode", k) for k in range(1, opts.decode_steps + 1)]
+            mtp_ran = bool(cap.mtp_layers) and cap.mtp_ran("prefill", 0)
+            if cap.mtp_layers and not mtp_ran:  # e.g. a twin copy older than its MTP forward
+                for j in range(len(cap.mtp_layers)):
+                    unavailable[f"{mtp_group(j)}/*"] = f"the {map_name} runtime builds the MTP layer but does not run it"
+            missing = [p.key() for s in steps for p in cap.missing(*s, mtp=mtp_ran)]
             for key in missing:
                 unavailable[key] = "hook registered but did not fire"
+            # a site the map lacks may still have come from the cache snapshot (KDA conv_state): then it is not
+            # unavailable
+            got = {f"{p.h5_parts()[1]}/{p.site}" for p in written if p.phase == "prefill"}
+            unavailable = {k: v for k, v in unavailable.items() if k not in got}
             for pattern, reason in sorted(unavailable.items()):
                 writer.mark_unavailable(pattern, reason)
             writer.write_tokens(np.concatenate(all_tokens, axis=1), T)
             n_points = len(written)
         t_fwd = time.perf_counter() - t1
         return DumpSummary(out_path, n_points, out_path.stat().st_size, t_load, t_fwd, guards, unavailable,
-                           writer.seconds_writing, writer.array_bytes)
+                           writer.seconds_writing, writer.array_bytes, semantics)
     finally:
         loaded.release()  # uninstall the fla stand-ins this load installed (the model keeps its bound names)
 
@@ -476,13 +627,3 @@ def _count_layers(model, cfg, layers, progress, cap: Capture) -> None:
 
                 cap.handles.append(mods[name].register_forward_hook(tick))
                 break
-
-
-def expected_points(cfg: Ling3Config, layers: Sequence[int], decode_steps: int) -> list[Point]:
-    """Every canonical point a full dump of these layers holds (before runtime unavailability)."""
-    out = []
-    for phase, step in [("prefill", 0)] + [("decode", k) for k in range(1, decode_steps + 1)]:
-        out += [Point(phase, step, None, s) for s in ("embed", "final_norm", "logits")]
-        for i in layers:
-            out += [Point(phase, step, i, s) for s in sites_for_config(cfg, i)]
-    return out

@@ -16,8 +16,8 @@ Runtimes:
   then no longer be independent): checked.
 Both: missing checkpoint keys are an error (they would be silently random); unexpected keys only under the MTP layer.
 
-`check_causality` runs the prefix test (ORC §2); `decode_positions` gives the explicit positions manual decode needs
-(ORC §3). HF_HUB_OFFLINE=1 and `local_files_only=True` always.
+the causality guard is the dumper's (`parity.torch_ref.dump.causality_guard`); `decode_positions` gives the
+explicit positions manual decode needs (ORC §3). HF_HUB_OFFLINE=1 and `local_files_only=True` always.
 """
 
 from __future__ import annotations
@@ -43,9 +43,6 @@ RUNTIMES = ("remote", "native")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 BUILTIN_MODULE = "transformers.models.bailing_hybrid.modeling_bailing_hybrid"
 NATIVE_LAYER_TYPES = {"kda": "linear_attention", "mla": "full_attention"}
-# Prefix test tolerance, relative to the largest |logit| at the compared positions. A non-causal MLA is off by O(1)
-# (ORC §2: up to 2.5; the twin's quirk ~2.1 on logits of magnitude ~4); fp32 prefix-vs-full noise is ~1e-6 relative.
-CAUSALITY_RTOL = {torch.float32: 1e-4, torch.float64: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 
 
 @dataclass
@@ -332,52 +329,7 @@ def load_model(
     return LoadedModel(model=model, config=cfg, runtime=runtime, guards=guards, stand_ins=stand_ins)
 
 
-# ----------------------------------------------------------------------------------------------- causality, decode
-def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids, use_cache=False).logits.float()
-
-
-@torch.no_grad()
-def check_causality(model: torch.nn.Module, input_ids: torch.Tensor, *, prefix_lengths: list[int] | None = None,
-                    rtol: float | None = None) -> dict:
-    """Prefix test (ORC §2): logits at positions < L from the length-L prefix must equal those from the full prompt.
-
-    Default prefix lengths: 1, ~T/4, ~T/2, T−1 (prompts over 64 tokens thus also compare the recurrent and the
-    chunked KDA paths). Tolerance: max|Δ| ≤ rtol · max|logit| at the compared positions (CAUSALITY_RTOL by the
-    model's dtype). Raises ParityError naming the first offending position; returns a JSON-able summary."""
-    ids = torch.as_tensor(input_ids)
-    if ids.dim() == 1:
-        ids = ids.unsqueeze(0)
-    if ids.dim() != 2 or ids.shape[1] < 2:
-        raise ParityError(f"check_causality: input_ids must be [B,T] with T ≥ 2, got {tuple(ids.shape)}")
-    T = ids.shape[1]
-    device = next(model.parameters()).device
-    ids = ids.to(device)
-    p_dtype = next(model.parameters()).dtype
-    tol = CAUSALITY_RTOL.get(p_dtype, 5e-2) if rtol is None else float(rtol)
-    lengths = sorted({L for L in (prefix_lengths or [1, T // 4, T // 2, T - 1]) if 1 <= L < T})
-    if not lengths:
-        raise ParityError(f"check_causality: no prefix length in 1..{T - 1} among {prefix_lengths}")
-    full = _logits(model, ids)
-    worst: dict[str, Any] = {"max_abs_diff": 0.0}
-    for L in lengths:
-        part = _logits(model, ids[:, :L])
-        ref = full[:, :L]
-        diff = (part - ref).abs()
-        scale = float(ref.abs().max().clamp_min(1e-30))
-        d = float(diff.max())
-        pos = int(diff.amax(dim=(0, 2)).argmax())
-        if d > worst["max_abs_diff"]:
-            worst = {"max_abs_diff": d, "prefix_length": L, "position": pos, "logit_scale": scale}
-        if d > tol * scale:
-            raise ParityError(
-                f"model is not causal ({_class_path(model)}): logits at position {pos} from a {L}-token prefix differ "
-                f"from the full {T}-token prompt by max|Δ| = {d:.3g} > {tol:g} × max|logit| {scale:.3g} — future "
-                f"tokens leak into the past (load with attn_implementation='eager', official_remote_code.md §2)"
-            )
-    return {"checked": True, "passed": True, "causal": True, "prompt_length": T, "prefix_lengths": lengths, "rtol": tol, **worst}
-
-
+# ----------------------------------------------------------------------------------------------- decode
 def decode_positions(past_len: int, n: int = 1, *, batch: int = 1, device: str | torch.device = "cpu") -> dict:
     """Explicit `position_ids` [batch, n] and `cache_position` [n] for n tokens decoded after `past_len` tokens.
 
@@ -388,5 +340,5 @@ def decode_positions(past_len: int, n: int = 1, *, batch: int = 1, device: str |
     return {"position_ids": pos.unsqueeze(0).expand(batch, n).clone(), "cache_position": pos}
 
 
-__all__ = ["LoadedModel", "load_model", "check_causality", "decode_positions", "repair_inv_freq",
+__all__ = ["LoadedModel", "load_model", "decode_positions", "repair_inv_freq",
            "expected_inv_freq", "resolve_dtype", "RUNTIMES"]

@@ -1,11 +1,14 @@
-"""Built-in prompts. Short prompts hide RoPE and KDA chunk-boundary bugs, so the default is long (≥ 512 tokens) and
-position-sensitive: the same phrase recurs at many positions, so a wrong RoPE position or a state carried wrongly
-across a 64-token chunk boundary changes later tokens' activations."""
+"""Built-in prompts. Short prompts hide RoPE and KDA chunk-boundary bugs, so the default is long and position-sensitive
+— the same phrase recurs at many positions, so a wrong RoPE position or a state carried wrongly across a 64-token chunk
+boundary changes later tokens' activations — but bounded in tokens of the tokenizer actually used
+(`DEFAULT_LONG_TOKENS`, several 64-token KDA chunks): the dump's cost grows with it (a byte-level tokenizer turned the
+old ~6000-character text into 5,999 tokens)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+DEFAULT_LONG_TOKENS = 320  # five 64-token KDA chunks (the chunked kernel path, facts §3.10); "a few hundred"
 _WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
 
 
@@ -27,3 +30,16 @@ def builtin_ids(vocab_size: int, length: int, seed: int = 0, *, batch: int = 1) 
     for start in range(0, length - 17, 97):
         ids[:, start:start + 17] = motif
     return ids.astype(np.int64)
+
+
+def builtin_long_ids(tokenizer, n_tokens: int = DEFAULT_LONG_TOKENS) -> list[int]:
+    """Exactly `n_tokens` ids of the built-in long text as `tokenizer` encodes it (no special tokens): the text is
+    made long enough for any tokenizer that spends at most ~one token per character, then cut."""
+    if n_tokens < 1:
+        raise ValueError(f"n_tokens = {n_tokens}, expected >= 1")
+    chars = 4 * n_tokens
+    while True:
+        ids = tokenizer(builtin_long_text(chars), add_special_tokens=False)["input_ids"]
+        if len(ids) >= n_tokens:
+            return list(ids[:n_tokens])
+        chars *= 2

@@ -5,9 +5,12 @@ Written from the facts sheet (`reference/ling3_facts.md`, cited as §n) and the 
 Self-contained: imports only torch, transformers and the configuration file next to it, because it is copied into
 checkpoint directories and loaded through `auto_map` with `trust_remote_code=True`.
 
-Same module tree and parameter names as the official checkpoint (§7); the MTP layer `model.layers.{N}` is built and
-loaded but never run (§2). KDA dispatch: if `fla.ops.kda.{chunk_kda, fused_recurrent_kda}` and
-`fla.modules.{ShortConvolution, FusedRMSNormGated}` import (real fla on CUDA, or the suite's CPU stand-ins installed in
+Same module tree and parameter names as the official checkpoint (§7). MTP layers `model.layers.{N+j}` (§2) are built
+(at least one, so a checkpoint's MTP keys always load) and, as in the official forward, run after the main stack
+when `num_nextn_predict_layers > 0`, in prefill and decode: their logits come back as `mtp_logits`.
+
+KDA dispatch: if `fla.ops.kda.{chunk_kda, fused_recurrent_kda}` and `fla.modules.{ShortConvolution, FusedRMSNormGated}`
+import (real fla on CUDA, or the suite's CPU stand-ins installed in
 `sys.modules`) and the env var `LING3_TWIN_KERNELS` is not `torch`, the KDA layer calls them exactly as the official
 file does (ORC §1.1); otherwise it uses the pure-PyTorch functions below, with the same module / parameter names.
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -541,7 +545,10 @@ class BailingMoeV3DecoderLayer(nn.Module):
 
 
 class BailingMoeV3MTPLayer(nn.Module):
-    """MTP layer `model.layers.{N}` (§2): built so its checkpoint keys load; never called by the forward."""
+    """MTP layer `model.layers.{N+j}` (§2): `x = eh_proj([enorm(emb) ; hnorm(h)])` (embedding first), a pre-norm MLA
+    block and a pre-norm MoE block (no SwiGLU clamp: the layer index lies beyond the limit lists, §5.7), then
+    `final_layernorm`. `emb` is the embedding of the ids shifted left by one, `h` the previous hidden state (the main
+    stack's after `model.norm`, or the previous MTP layer's output)."""
 
     def __init__(self, config: BailingMoeV3Config, layer_idx: int):
         super().__init__()
@@ -556,8 +563,33 @@ class BailingMoeV3MTPLayer(nn.Module):
         self.mlp = BailingMoeV3SparseMoeBlock(config, layer_idx)
         self.final_layernorm = BailingMoeV3RMSNorm(D, eps=config.rms_norm_eps)
 
-    def forward(self, *args, **kwargs):
-        raise NotImplementedError("the twin builds the MTP layer for loading only; it is not used in forward (§2)")
+    def forward(self, input_embeds, hidden_states, attention_mask=None, position_embeddings=None,
+                past_key_values=None, use_cache=False, **kwargs):
+        x = self.eh_proj(torch.cat([self.enorm(input_embeds), self.hnorm(hidden_states)], dim=-1))
+        a, _ = self.attention(self.input_layernorm(x), attention_mask=attention_mask,
+                              position_embeddings=position_embeddings, past_key_values=past_key_values,
+                              use_cache=use_cache)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return (self.final_layernorm(x),)
+
+
+def shift_ids_left(ids: torch.Tensor) -> torch.Tensor:
+    """MTP input ids (§2): position t gets token t+1, the last position the fill id 0 — also in a one-token decode
+    step, whose MTP layer thus sees token 0."""
+    out = torch.roll(ids, shifts=-1, dims=-1)
+    out[..., -1] = 0
+    return out
+
+
+@dataclass
+class TwinModelOutput(BaseModelOutputWithPast):
+    mtp_hidden_states: tuple | None = None
+
+
+@dataclass
+class TwinCausalLMOutput(CausalLMOutputWithPast):
+    mtp_logits: tuple | None = None
 
 
 class BailingMoeV3PreTrainedModel(PreTrainedModel):
@@ -656,8 +688,17 @@ class BailingMoeV3Model(BailingMoeV3PreTrainedModel):
         hidden = self.norm(hidden)
         if output_hidden_states:
             all_hidden += (hidden,)
-        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None,
-                                       hidden_states=all_hidden)
+        mtp_hidden = None
+        n_mtp = cfg.num_nextn_predict_layers or 0
+        if n_mtp > 0 and input_ids is not None:  # MTP layers after the main stack, chained (§2)
+            mtp_hidden, ids, h = (), input_ids, hidden
+            for layer in self.layers[cfg.num_hidden_layers: cfg.num_hidden_layers + n_mtp]:
+                ids = shift_ids_left(ids)
+                h = layer(self.word_embeddings(ids), h, attention_mask=mask, position_embeddings=pos_emb,
+                          past_key_values=past_key_values, use_cache=use_cache)[0]
+                mtp_hidden += (h,)
+        return TwinModelOutput(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None,
+                               hidden_states=all_hidden, mtp_hidden_states=mtp_hidden)
 
 
 class BailingMoeV3ForCausalLM(BailingMoeV3PreTrainedModel, GenerationMixin):
@@ -697,8 +738,11 @@ class BailingMoeV3ForCausalLM(BailingMoeV3PreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
                                    ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
-                                      hidden_states=out.hidden_states)
+        mtp_logits = None
+        if out.mtp_hidden_states is not None:  # lm_head on each MTP output, no model.norm in between (§2)
+            mtp_logits = tuple(self.lm_head(m).float() for m in out.mtp_hidden_states)
+        return TwinCausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                  hidden_states=out.hidden_states, mtp_logits=mtp_logits)
 
 
 __all__ = [

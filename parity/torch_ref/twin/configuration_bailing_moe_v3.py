@@ -1,7 +1,9 @@
 """BailingMoeV3Config for the ling3-parity *twin* remote code (Ling3 = HF `bailing_hybrid`, `BailingMoeV3ForCausalLM`).
 
 Self-contained (imports only transformers): this file is copied into checkpoint directories and loaded through
-`auto_map` with `trust_remote_code=True`. Field names and defaults follow the official `config.json` (facts sheet §1,
+`auto_map` with `trust_remote_code=True` — by the twin, and by the official `modeling_bailing_moe_v3.py` when
+`parity.torch_ref.official.install` puts that file into a checkpoint: it defines every attribute the official file
+reads (tests/test_official.py lists them from the file's syntax tree). Field names and defaults follow the official `config.json` (facts sheet §1,
 Ling-3.0-tiny values). Deliberately NO `layer_types` attribute: with one, `DynamicCache(config=...)` builds
 linear-attention cache layers and the official cache layout breaks in `generate()` (official_remote_code.md §1.6).
 
@@ -63,6 +65,9 @@ class BailingMoeV3Config(PretrainedConfig):
         use_bias=False,
         initializer_range=0.006,
         use_cache=True,
+        attention_dropout=0.0,
+        mtp_loss_scaling_factor=0.0,
+        output_router_logits=False,
         tie_word_embeddings=False,
         pad_token_id=156892,
         eos_token_id=156895,
@@ -127,6 +132,11 @@ class BailingMoeV3Config(PretrainedConfig):
         self.use_bias = use_bias
         self.initializer_range = initializer_range
         self.use_cache = use_cache
+        # Read by the official modeling file (MLA dropout in training, the MTP loss weight, the MoE router-logit
+        # outputs): every attribute it reads must exist (tests/test_official.py derives the list from its source).
+        self.attention_dropout = attention_dropout
+        self.mtp_loss_scaling_factor = mtp_loss_scaling_factor
+        self.output_router_logits = output_router_logits
         self.twin_apply_swiglu_clamp = twin_apply_swiglu_clamp
         self.twin_quirk_noncausal_sdpa = twin_quirk_noncausal_sdpa
         self.twin_quirk_uninit_inv_freq = twin_quirk_uninit_inv_freq
@@ -138,6 +148,11 @@ class BailingMoeV3Config(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
+        # `rope_scaling` stays a plain None (official_remote_code.md §1.5): 5.x's PretrainedConfig turns it into
+        # {rope_type: default, rope_theta} (then the official MLA reads ["factor"]: KeyError), and without any value
+        # `config.rope_scaling` raises AttributeError (5.x aliases it to `rope_parameters`). Set under its 5.x name,
+        # after the base class (whose `rope_scaling` setter warns).
+        self.rope_parameters = None
         # Guard against a `layer_types` sneaking in through kwargs (see module docstring).
         if "layer_types" in self.__dict__:
             del self.__dict__["layer_types"]

@@ -1,0 +1,68 @@
+"""Semantic forks of Ling3: where correct implementations legitimately differ, what a dump's runtime did on each,
+and how the JAX reference is configured to follow it (DESIGN §4 `semantics` attr). Torch-free (the replay reads it).
+
+Forks recorded (values are what `parity.torch_ref.semantics.probe` measured on the loaded model):
+- `swiglu_clamp`: `applied` | `ignored` | `not-configured` (no limit in the config) | `undetermined` | `mixed`.
+  The official remote code and transformers' built-in ignore `expert_swiglu_limit_list` /
+  `share_expert_swiglu_limit_list`; the serving stacks apply `min(silu(g), L) ⊙ clip(u, −L, L)` (facts §5.7, §10.1).
+  Intended: applied (the serving stacks; omitting it is reported to break Flash, facts §10.1).
+- `kda_gate_precision`, `kda_beta_precision`: the dtype of the KDA forget gate (after the gate function) and of β as
+  they enter the recurrence: `float32` | `bfloat16` | `float16` | `not-applicable` (no KDA layer). The official file
+  keeps both in fp32 (the gate is computed inside the fla kernel, β = σ(b_proj(x).float())); the built-in rounds both
+  to the model dtype (official_remote_code.md §5). Intended: float32 (facts §8).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SEMANTICS_VERSION = 1
+FORKS = ("swiglu_clamp", "kda_gate_precision", "kda_beta_precision")
+INTENDED = {"swiglu_clamp": "applied", "kda_gate_precision": "float32", "kda_beta_precision": "float32"}
+# Values that say "this fork does not arise here" (nothing to depart from).
+NEUTRAL = {"not-configured", "not-applicable"}
+DESCRIPTION = {
+    "swiglu_clamp": "SwiGLU clamp min(silu(g),L)·clip(u,±L) of expert_swiglu_limit_list / "
+                    "share_expert_swiglu_limit_list (facts §5.7, §10.1)",
+    "kda_gate_precision": "dtype of the KDA forget gate entering the recurrence (official_remote_code.md §5)",
+    "kda_beta_precision": "dtype of the KDA beta entering the recurrence (official_remote_code.md §5)",
+}
+
+
+def departures(sem: dict[str, Any] | None) -> list[dict[str, str]]:
+    """Forks where the recorded behaviour departs from the intended one: [{fork, dump, intended, what}]."""
+    if not sem:
+        return []
+    out = []
+    for fork in FORKS:
+        got = sem.get(fork)
+        if got is None or got in NEUTRAL or got == INTENDED[fork]:
+            continue
+        out.append({"fork": fork, "dump": str(got), "intended": INTENDED[fork], "what": DESCRIPTION[fork]})
+    return out
+
+
+def reference_options(sem: dict[str, Any] | None, *, intended: bool = False) -> dict[str, Any]:
+    """Options of the JAX reference (`parity.jax_ling3.spec.layer_spec` / `Ling3Model`) that reproduce a dump's
+    semantics (default) or the intended ones (`intended=True`). Unknown / neutral values fall back to intended."""
+    src = dict(INTENDED) if intended or not sem else {f: sem.get(f, INTENDED[f]) for f in FORKS}
+
+    def dtype(v: str) -> str:
+        return v if v in ("float32", "bfloat16") else "float32"
+
+    return {"clamp": src["swiglu_clamp"] != "ignored",
+            "kda_gate_dtype": dtype(src["kda_gate_precision"]),
+            "kda_beta_dtype": dtype(src["kda_beta_precision"])}
+
+
+def summarize(sem: dict[str, Any] | None) -> str:
+    """One line for reports and the dump CLI."""
+    if not sem:
+        return "semantics: not recorded (dump written before the semantics attr)"
+    parts = [f"{f}={sem.get(f, '?')}" for f in FORKS]
+    dep = departures(sem)
+    tail = f"; departs from intended on {', '.join(d['fork'] for d in dep)}" if dep else ""
+    return "semantics: " + ", ".join(parts) + tail
+
+
+__all__ = ["SEMANTICS_VERSION", "FORKS", "INTENDED", "departures", "reference_options", "summarize"]

@@ -1,0 +1,53 @@
+"""One `pytest parity` run replays several modes (`--parity-mode layer,isolated`): ids and report directories carry
+the mode; a bad mode is one usage error. CI replays every bundled dump in isolated mode here (`pytest parity` itself
+defaults to layer mode)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DUMP = ROOT / "dumps" / "tiny-bf16.h5"
+
+
+def _pytest(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "pytest", "parity", "-p", "no:cacheprovider", "-n", "0", *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("dump", sorted((ROOT / "dumps").glob("*.h5")), ids=lambda p: p.stem)
+def test_bundled_dump_passes_in_isolated_mode(dump):
+    from parity.replay import run_replay
+
+    rep = run_replay(dump, mode="isolated")
+    compared = [p for p in rep["points"] if p["status"] in ("pass", "fail", "benign")]
+    assert rep["passed"], rep["first_divergence"]
+    assert len(compared) > 100, f"{dump.name}: only {len(compared)} points compared in isolated mode"
+
+
+def test_layer_and_isolated_in_one_run(tmp_path):
+    r = _pytest("--parity-dump", str(DUMP), "--parity-mode", "layer,isolated", "-k", "layer_1", "-q", "-rA",
+                "--parity-report", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "PASSED parity/test_points.py::test_point[tiny-bf16/layer/prefill/layer_1/attention.core]" in r.stdout
+    assert "PASSED parity/test_points.py::test_point[tiny-bf16/isolated/prefill/layer_1/attention.core]" in r.stdout
+    for mode in ("layer", "isolated"):
+        rep = json.loads((tmp_path / "tiny-bf16" / mode / "report.json").read_text())
+        assert rep["mode"] == mode and rep["passed"] and any(p["layer"] == 1 for p in rep["points"])
+
+
+def test_single_mode_keeps_the_plain_ids_and_directory(tmp_path):
+    r = _pytest("--parity-dump", str(DUMP), "--parity-mode", "layer", "-k", "layer_1 and attention.core", "-q", "-rA",
+                "--parity-report", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "PASSED parity/test_points.py::test_point[tiny-bf16/prefill/layer_1/attention.core]" in r.stdout
+    assert (tmp_path / "tiny-bf16" / "report.json").is_file()
+
+
+def test_bad_mode_is_one_usage_error():
+    r = _pytest("--parity-mode", "layer,bogus", "-q")
+    assert r.returncode == 4 and "--parity-mode 'layer,bogus': expected one or more of layer" in r.stderr
+    assert r.stderr.count("\n") < 5
