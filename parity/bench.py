@@ -86,6 +86,7 @@ def child_jax(ckpt: str, layer: int, Ts: list[int], repeats: int, dtype: str = "
         res = tgt.layer_forward(layer, h, pos)
         cold = time.perf_counter() - t
         act_bytes = h.nbytes // 2 + sum(v.nbytes for v in res.points.values())  # input as bf16 + every point
+        del res  # counted once in act_bytes; kept alive it doubled the outputs in the warm calls' peak RSS
         warm = []
         for _ in range(repeats):
             t = time.perf_counter()
