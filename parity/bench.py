@@ -86,6 +86,7 @@ def child_jax(ckpt: str, layer: int, Ts: list[int], repeats: int, dtype: str = "
         res = tgt.layer_forward(layer, h, pos)
         cold = time.perf_counter() - t
         act_bytes = h.nbytes // 2 + sum(v.nbytes for v in res.points.values())  # input as bf16 + every point
+        del res  # counted once in act_bytes; kept alive it doubled the outputs in the warm calls' peak RSS
         warm = []
         for _ in range(repeats):
             t = time.perf_counter()
@@ -96,7 +97,7 @@ def child_jax(ckpt: str, layer: int, Ts: list[int], repeats: int, dtype: str = "
                     "cache_dir": COMPILATION_CACHE_DIR, "load_s": load_s, "weights_mb": w_bytes / 2**20,
                     "activations_mb": act_bytes / 2**20, "rss_base_mb": rss0, "rss_after_load_mb": rss_loaded,
                     "rss_after_mb": current_rss_mb(), "peak_rss_mb": peak_rss_mb(),
-                    "loadavg": load_average()})
+                    "affinity": sorted(os.sched_getaffinity(0)), "loadavg": load_average()})
     return out
 
 
@@ -137,7 +138,7 @@ def child_torch(ckpt: str, layers: list[int], Ts: list[int], repeats: int, dtype
                     warm.append(time.perf_counter() - t)
                 out.append({"side": "torch", "layer": layer, "T": T, "cold_s": cold, "warm": _stats(warm),
                             "threads": torch.get_num_threads(), "load_s": load_s, "peak_rss_mb": peak_rss_mb(),
-                            "loadavg": load_average()})
+                            "affinity": sorted(os.sched_getaffinity(0)), "loadavg": load_average()})
     loaded.release()
     return out
 
@@ -190,10 +191,14 @@ def child_dump(ckpt: str, T: int, out_dir: str, repeats: int, dtype: str = "bflo
 ROLES = {"jax": child_jax, "torch": child_torch, "dump": child_dump}
 
 
-def run_child(role: str, kwargs: dict, env: dict | None = None, timeout: float = 3600) -> list[dict]:
-    """Run one role in a fresh interpreter; returns its records (the child prints one JSON line)."""
+def run_child(role: str, kwargs: dict, env: dict | None = None, timeout: float = 3600,
+              cpus: list[int] | None = None) -> list[dict]:
+    """Run one role in a fresh interpreter; returns its records (the child prints one JSON line). `cpus`: pin the
+    child to these CPUs (sched_setaffinity before exec; torch and XLA size their thread pools from it)."""
     cmd = [sys.executable, "-m", "parity.bench", role, json.dumps(kwargs)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+                       preexec_fn=pin)
     if p.returncode != 0:
         raise RuntimeError(f"bench child {role} {kwargs} failed (rc {p.returncode}):\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -224,21 +229,25 @@ def pytest_parity_timings(repo: str | Path, workers: tuple[int, ...] = (0, 2), l
 
 # ------------------------------------------------------------------------------------------------ parent
 def run_bench(ckpt: str, layers: list[int], Ts: list[int], repeats: int = 3, dump_T: int | None = None,
-              dump_ckpt: str | None = None, pytest_repo: str | None = None, log=print) -> dict:
-    """Layer replay (JAX cold with an empty cache, cold with the cache warm, warm) vs the twin layer, + dump overhead."""
-    res: dict[str, Any] = {"ckpt": ckpt, "layers": layers, "Ts": Ts, "repeats": repeats,
+              dump_ckpt: str | None = None, pytest_repo: str | None = None, log=print,
+              cpus: list[int] | None = None) -> dict:
+    """Layer replay (JAX cold with an empty cache, cold with the cache warm, warm) vs the twin layer, + dump overhead.
+    `cpus`: pin the layer children (JAX and twin alike) to these CPUs — on a shared machine, one core each keeps the
+    comparison fair: with 2 threads on 2 busy cores both torch's OpenMP and XLA's thread pool stall on descheduled
+    threads (measured under load ~9: a 32x1536x512 bf16 torch GEMM 0.27 ms on 1 thread, 4-14 ms on 2)."""
+    res: dict[str, Any] = {"ckpt": ckpt, "layers": layers, "Ts": Ts, "repeats": repeats, "cpus": cpus,
                            "loadavg_start": load_average(), "ncpu": os.cpu_count(), "jax": [], "torch": [], "dump": [], "pytest": []}
     with tempfile.TemporaryDirectory(prefix="ling3-bench-cache-") as cache:
         for layer in layers:
             for cache_state in ("empty", "warm"):  # the first run fills the fresh cache, the second reads it
                 recs = run_child("jax", {"ckpt": ckpt, "layer": layer, "Ts": Ts, "repeats": repeats},
-                                 env={"LING3_JAX_CACHE": cache})
+                                 env={"LING3_JAX_CACHE": cache}, cpus=cpus)
                 for r in recs:
                     r["persistent_cache"] = cache_state
                     log(f"jax L{layer} T={r['T']} cache={cache_state}: cold {r['cold_s']:.2f}s "
                         f"warm {r['warm']['min']:.3f}s peak {r['peak_rss_mb']:.0f} MB")
                 res["jax"] += recs
-    recs = run_child("torch", {"ckpt": ckpt, "layers": layers, "Ts": Ts, "repeats": repeats})
+    recs = run_child("torch", {"ckpt": ckpt, "layers": layers, "Ts": Ts, "repeats": repeats}, cpus=cpus)
     for r in recs:
         log(f"torch L{r['layer']} T={r['T']}: cold {r['cold_s']:.2f}s warm {r['warm']['min']:.3f}s")
     res["torch"] = recs
@@ -258,8 +267,8 @@ def table(res: dict) -> str:
     """Markdown table: per layer and T, JAX warm/cold vs the twin, ratio, compile, peak RSS vs weights+activations."""
     torch_t = {(r["layer"], r["T"]): r for r in res["torch"]}
     rows = ["| layer | kind | T | JAX warm min / med (s) | twin warm min / med (s) | JAX/twin | JAX cold, empty cache (s) "
-            "| JAX cold, warm cache (s) | compile est. (s) | twin cold (s) | peak RSS (MB) | weights + act. (MB) "
-            "| RSS / (w+a) |",
+            "| JAX cold, warm cache (s) | compile est. (s) | twin cold (s) | peak RSS: compiling / cache warm (MB) "
+            "| weights + act. (MB) | RSS / (w+a): compiling / cache warm |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     jx = {(r["layer"], r["T"], r["persistent_cache"]): r for r in res["jax"]}
     for (layer, T, c), r in sorted(jx.items()):
@@ -270,13 +279,14 @@ def table(res: dict) -> str:
         kind = ("KDA" if r["kind"] == "kda" else "MLA") + ("+MoE" if r["moe"] else "+dense")
         jw = min(r["warm"]["min"], w["warm"]["min"])
         jm = statistics.median([r["warm"]["median"], w["warm"]["median"]])
-        peak = max(r["peak_rss_mb"], w["peak_rss_mb"]) - r["rss_base_mb"]
+        # the empty-cache child compiles (XLA's compiler memory is in its peak); the warm-cache child only replays
+        peak_c, peak_w = r["peak_rss_mb"] - r["rss_base_mb"], w["peak_rss_mb"] - w["rss_base_mb"]
         wa = r["weights_mb"] + r["activations_mb"]
         tw = f"{tt['warm']['min']:.3f} / {tt['warm']['median']:.3f}" if tt else "-"
         ratio = f"{jw / tt['warm']['min']:.2f}" if tt else "-"
         rows.append(f"| {layer} | {kind} | {T} | {jw:.3f} / {jm:.3f} | {tw} | {ratio} | {r['cold_s']:.2f} | "
                     f"{w['cold_s']:.2f} | {r['compile_s_est']:.2f} | {tt['cold_s'] if tt else float('nan'):.2f} | "
-                    f"{peak:.0f} | {wa:.0f} | {peak / wa:.2f} |")
+                    f"{peak_c:.0f} / {peak_w:.0f} | {wa:.0f} | {peak_c / wa:.2f} / {peak_w / wa:.2f} |")
     for d in res.get("dump", []):
         rows.append("")
         rows.append(f"dump (T={d['T']}, {d['layers']} layers, prefill only, compression {d.get('compression', 'lzf')}): "
@@ -289,8 +299,11 @@ def table(res: dict) -> str:
         mode = f"-n {r['workers']}" if r["workers"] else "serial"
         rows.append(f"`pytest parity` {mode}, {r['cache']} JAX cache: {r['wall_s']:.1f} s ({r['summary']})")
     rows.append("")
-    rows.append(f"load average start {res['loadavg_start']} end {res.get('loadavg_end')}, {res['ncpu']} CPUs; "
-                f"peak RSS is the child's ru_maxrss minus its RSS after imports and JAX runtime start-up")
+    threads = sorted({r.get("threads") for r in res["torch"]} - {None})
+    rows.append(f"load average start {res['loadavg_start']} end {res.get('loadavg_end')}, {res['ncpu']} CPUs"
+                + (f", layer children pinned to CPUs {res['cpus']}" if res.get("cpus") else "")
+                + (f", twin threads {threads}" if threads else "")
+                + "; peak RSS is the child's ru_maxrss minus its RSS after imports and JAX runtime start-up")
     return "\n".join(rows)
 
 

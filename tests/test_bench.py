@@ -46,3 +46,12 @@ def test_bench_inputs_round_like_torch():
     ties = np.array([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8], np.float32)
     np.testing.assert_array_equal(ties.astype(ml_dtypes.bfloat16).astype(np.float32),
                                   torch.from_numpy(ties).to(torch.bfloat16).float().numpy())
+
+
+def test_bench_children_pinned_to_cpus():
+    """`--cpus`: each layer child runs on the given CPUs only, and the twin sizes its thread pool from that."""
+    j = run_child("jax", {"ckpt": CKPT, "layer": 1, "Ts": [8], "repeats": 1}, cpus=[0])
+    t = run_child("torch", {"ckpt": CKPT, "layers": [1], "Ts": [8], "repeats": 1}, cpus=[0])
+    assert j[0]["affinity"] == [0] and t[0]["affinity"] == [0] and t[0]["threads"] == 1
+    free = run_child("torch", {"ckpt": CKPT, "layers": [1], "Ts": [8], "repeats": 1})
+    assert free[0]["affinity"] == sorted(__import__("os").sched_getaffinity(0))
