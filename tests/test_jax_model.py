@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CKPT = ROOT / "dumps" / "ckpt"
 STEPS = 4
 TOL = 1e-4
+# JAX reference vs transformers' built-in (two independent fp32 implementations over 8 random layers, chunked KDA on
+# both sides, MoE): the same code measured 8.9e-5 on an AMD EPYC and 1.37e-4 on an Intel Xeon (worst at the 64-token
+# chunk boundary; XLA:CPU and oneDNN kernels differ by CPU), so its bound is 2e-4; the bugs below are caught at it.
+TOL_BUILTIN = 2e-4
 
 
 def _torch_logits(model, ids: np.ndarray, T: int):
@@ -75,7 +79,7 @@ def test_tiny_flash_vs_builtin_bailing_hybrid(flash_case):
     reader, ref, ids = flash_case
     got = _jax_logits(Ling3Model(reader, dtype="float32", clamp=False, keep_weights=True), ids, 70)
     for s, (a, b) in enumerate(zip(got, ref)):
-        assert_rel_close(a, b, TOL, f"tiny-flash logits, {'prefill' if s == 0 else f'decode step {s}'}")
+        assert_rel_close(a, b, TOL_BUILTIN, f"tiny-flash logits, {'prefill' if s == 0 else f'decode step {s}'}")
 
 
 def test_tiny_flash_clamp_matters(flash_case):
@@ -84,7 +88,7 @@ def test_tiny_flash_clamp_matters(flash_case):
     reader, ref, ids = flash_case
     m = Ling3Model(reader, dtype="float32", clamp=True, keep_weights=True)
     logits, _ = m.prefill(ids[:, :70], capacity=70 + STEPS)
-    assert rel_err(np.asarray(logits), ref[0]) > 10 * TOL
+    assert rel_err(np.asarray(logits), ref[0]) > 10 * TOL_BUILTIN
 
     class Perturbed:
         config = reader.config
@@ -102,7 +106,7 @@ def test_tiny_flash_clamp_matters(flash_case):
 
     logits, _ = Ling3Model(Perturbed(), dtype="float32", clamp=False).prefill(ids[:, :70], capacity=70 + STEPS)
     with pytest.raises(AssertionError):
-        assert_rel_close(np.asarray(logits), ref[0], TOL, "perturbed A_log")
+        assert_rel_close(np.asarray(logits), ref[0], TOL_BUILTIN, "perturbed A_log")
 
 
 def test_tiny_vs_twin_remote_code():

@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parity.cli.dump_hf import main as dump_main  # noqa: E402
-from parity.golden import DUMPS, GOLDEN, ROOT  # noqa: E402
+from parity.golden import DUMPS, GOLDEN, ROOT, machine_kind  # noqa: E402
 
 
 def main() -> int:
@@ -25,7 +25,7 @@ def main() -> int:
         entries.append({"file": g.file, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
                         "checkpoint": f"dumps/ckpt/{g.ckpt}", "dtype": g.dtype, "prompt_len": g.prompt_len,
                         "command": g.command()})
-    (DUMPS / "MANIFEST.json").write_text(json.dumps({"dumps": entries}, indent=1) + "\n")
+    (DUMPS / "MANIFEST.json").write_text(json.dumps({"machine": machine_kind(), "dumps": entries}, indent=1) + "\n")
     print(f"wrote {DUMPS / 'MANIFEST.json'}")
     return 0
 
