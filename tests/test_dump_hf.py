@@ -318,6 +318,9 @@ def test_remote_code_runs_only_when_trusted_or_the_suites_twin(tmp_path):
     runs (the edited file leaves a marker when imported); run with it; --runtime native runs none of it."""
     ck = tmp_path / "ck"
     shutil.copytree(CKPT / "tiny-flash", ck)
+    cfg = json.loads((ck / "config.json").read_text())  # no SwiGLU clamp, so --runtime native can run it too
+    cfg["expert_swiglu_limit_list"] = cfg["share_expert_swiglu_limit_list"] = None
+    (ck / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     marker = tmp_path / "ran"
     with open(ck / "modeling_bailing_moe_v3.py", "a") as f:
         f.write(f"\nopen({str(marker)!r}, 'a').write('imported\\n')\n")

@@ -356,11 +356,11 @@ class Capture:
             if layer is None and spec.mtp_calls:
                 k = self._calls.get(spec.site, 0)
                 self._calls[spec.site] = k + 1
-                if k > 0:  # the (1+j)-th call of a forward: MTP layer j (facts §2)
+                if k > 0:  # the (1+j)-th call of a forward: MTP layer j (facts §2), never the main stack's point
                     j = k - 1
                     if j < len(self.mtp_layers) and self.wants(self.mtp_layers[j], spec.site):
                         self.emit(self.mtp_layers[j], spec.site, value, module=spec.module, io="output")
-                        return
+                    return  # MTP not captured (e.g. a --layers subset): its embedding/LM head call is not recorded
             self.emit(layer, spec.site, value, module=spec.module, io="output")
 
         return mod.register_forward_hook(hook)
