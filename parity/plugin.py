@@ -44,6 +44,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--parity-mesh", default=None,
                 help="shard the target's layer params over a device mesh: auto | N | EXPERTSxHEADS (e.g. 4x2)")
     g.addoption("--parity-layers", default=None, help="layers to replay, e.g. 0-3,7 (default all)")
+    g.addoption("--parity-stall-timeout", default=None, type=float, metavar="SECONDS",
+                help="a target call (one layer, step, method) that has not returned after this long fails, naming it, "
+                     "with every thread's Python and native stacks (default 600; 0 = no limit)")
 
 
 # ------------------------------------------------------------------------------------------ session state
@@ -117,6 +120,8 @@ class ParitySession:
         self.replays: dict[tuple[str, object], dict] = {}
         self.sessions: dict[str, object] = {}
         self.errors: dict[str, tuple[str, bool]] = {}  # label -> (message, is a usage error)
+        self._watchdog = None
+        self.stalls: dict[tuple, str] = {}
 
     def reader(self, entry: DumpEntry):
         from parity.dumpfile import DumpReader
@@ -124,6 +129,16 @@ class ParitySession:
         if entry.label not in self.readers:
             self.readers[entry.label] = DumpReader(entry.path)
         return self.readers[entry.label]
+
+    def watchdog(self):
+        """One watchdog per process: after a stall, every later target call of the run fails at once."""
+        if self._watchdog is None:
+            from parity.replay.watchdog import DEFAULT_LIMIT_S, Watchdog
+
+            limit = self.config.getoption("--parity-stall-timeout")
+            self._watchdog = Watchdog(DEFAULT_LIMIT_S if limit is None else limit,
+                                      out_dir=self.config.getoption("--parity-report"))
+        return self._watchdog
 
     def rules(self):
         from parity.numerics.tolerances import default_rules, load_rules, parse_overrides
@@ -145,7 +160,7 @@ class ParitySession:
         s = Session.open(self.reader(entry), opt("--parity-ckpt"), target=opt("--parity-target"),
                          mode=entry.mode, rules=self.rules(),
                          mesh=getattr(self.config, "_parity_mesh", None),  # mesh built in pytest_configure
-                         layers=None if layers is None else sorted(layers))
+                         layers=None if layers is None else sorted(layers), watchdog=self.watchdog())
         self.sessions[entry.run] = s
         return s
 
@@ -153,28 +168,36 @@ class ParitySession:
         """The dump's session (opened up front by pytest_sessionstart, or here in an xdist worker). A session that
         cannot be opened fails every test of the dump with the same one line (never a skip: a target that cannot be
         built must not give a green run)."""
-        if entry.run in self.errors:
-            pytest.fail(self.errors[entry.run][0], pytrace=False)
-        if entry.run in self.sessions:
-            return self.sessions[entry.run]
         from parity.errors import ParityError
 
+        if entry.run in self.errors:
+            raise ParityError(self.errors[entry.run][0])
+        if entry.run in self.sessions:
+            return self.sessions[entry.run]
         try:
             return self.open_session(entry)
         except ParityError as e:
             self.errors[entry.run] = (str(e), True)
-            pytest.fail(str(e), pytrace=False)
+            raise
 
     def records(self, entry: DumpEntry, layer) -> dict:
         """{(phase, step, layer, site): report.json record} for one layer (or the model-level points when layer is
         None); free mode replays the whole model once."""
         from parity.replay import judge, observe, observe_free
 
+        from parity.replay.watchdog import StallError
+
         key = (entry.run, layer if entry.mode != "free" else "free")
+        if key in self.stalls:
+            raise StallError(self.stalls[key])
         if key not in self.replays:
             s = self.session(entry)
             obs = observe_free(s) if s.mode == "free" else observe(s, layer)
-            recs = [r.to_json() for r in judge(s, obs)]
+            try:
+                recs = [r.to_json() for r in judge(s, obs)]
+            except StallError as e:  # every test of this layer fails with the same line
+                self.stalls[key] = str(e)
+                raise
             self.replays[key] = {(r["phase"], r["step"], r["layer"], r["site"]): r for r in recs}
         return self.replays[key]
 
@@ -368,13 +391,21 @@ def run_point(request: pytest.FixtureRequest, entry: DumpEntry, point: tuple, la
     marker = request.node.get_closest_marker("parity_error")
     if marker:
         pytest.fail(marker.args[0], pytrace=False)
+    from parity.errors import ParityError
+
     sess = _session(request.config)
-    recs = sess.records(entry, layer)
+    phase, step, lay, site = point
+    try:
+        recs = sess.records(entry, layer)
+    except ParityError as e:  # the session could not be opened, or a target call stalled: a failure on record
+        rec = {"phase": phase, "step": step, "layer": lay, "site": site, "status": "fail", "reason": str(e),
+               "message": str(e), "dump": entry.run}
+        request.node.user_properties.append((RECORD_KEY, json.dumps(rec, default=_jsonable)))
+        pytest.fail(str(e), pytrace=False)
     rec = recs.get(point)
     if rec is None:
         from parity.points import Point
 
-        phase, step, lay, site = point
         p = Point(phase, step, lay, site)
         why = ("the dump lacks it (its model has this point at a step the dump was made with; deleted or lost?)"
                if not sess.reader(entry).has(p) else "the replay produced no record for this point")

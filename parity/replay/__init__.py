@@ -36,17 +36,23 @@ def replay_records(session: Session, layers=None, progress: Callable[[str], None
 
 
 def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", rules=None,
-               layers=None, progress: Callable[[str], None] | None = None, mesh=None) -> dict:
+               layers=None, progress: Callable[[str], None] | None = None, mesh=None,
+               stall_timeout: float | None = None) -> dict:
     """Programmatic replay of a whole dump: returns the report dict (`parity.report.build_report`).
 
     ckpt_dir defaults to the bundled checkpoint with the dump's fingerprint; target defaults to the reference target
     (a name, class or built instance); rules to the default tolerance table; mesh (a jax Mesh or a `--parity-mesh`
-    string such as "4x2") is handed to the target's build. `pytest parity` does the same thing point by point.
+    string such as "4x2") is handed to the target's build; stall_timeout (seconds, default
+    `watchdog.DEFAULT_LIMIT_S`; 0 = none) bounds every target call (`parity.replay.watchdog`). `pytest parity` does
+    the same thing point by point.
     """
+    from parity.replay.watchdog import DEFAULT_LIMIT_S, Watchdog
+
     from parity.report import build_report
 
+    wd = Watchdog(DEFAULT_LIMIT_S if stall_timeout is None else stall_timeout)
     with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=rules, mesh=mesh,
-                      layers=None if layers is None else list(layers)) as s:
+                      layers=None if layers is None else list(layers), watchdog=wd) as s:
         records = [r.to_json() for r in replay_records(s, layers, progress)]
         rep = build_report(s.config, records, dump=str(dump_path), target=getattr(s.target, "name", "?"),
                            mode=mode)

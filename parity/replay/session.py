@@ -89,13 +89,23 @@ class Session:
     rules: Any
     mode: str = "layer"
     dtype: str = "bfloat16"
+    watchdog: Any = None  # parity.replay.watchdog.Watchdog; None: the default limit
 
     def __post_init__(self) -> None:
         check_mode(self.mode, self.target)
+        if self.watchdog is None:
+            from parity.replay.watchdog import Watchdog
+
+            self.watchdog = Watchdog()
+
+    def call(self, what: str, fn, *args, **kwargs):
+        """A target call under the session's watchdog: a stall is a StallError naming the dump, what was called
+        (layer, phase, step, method) and the file with every thread's stacks."""
+        return self.watchdog.call(f"{self.dump.path.name} {what}", fn, *args, **kwargs)
 
     @classmethod
     def open(cls, dump, ckpt_dir: str | Path | None = None, *, target=None, mode: str = "layer", rules=None,
-             mesh=None, layers: list[int] | None = None) -> "Session":
+             mesh=None, layers: list[int] | None = None, watchdog=None) -> "Session":
         """Open a dump (path or DumpReader), find its checkpoint, resolve and build the target ('reference' by
         default; a name as `--parity-target` takes, a Target class or instance), with the default rules unless
         given. `mesh`: a jax Mesh or a `--parity-mesh` spec such as "4x2". The session owns a dump it opened.
@@ -119,7 +129,8 @@ class Session:
             except Exception as e:  # an adapter's own failure: one line naming the target and the call
                 raise TargetError(f"target {getattr(tgt, 'name', type(tgt).__name__)!r}: build({reader.path.name} "
                                   f"config, {dtype}) raised {type(e).__name__}: {_first_line(e)}") from None
-            s = cls(dump=reader, ckpt=ckpt, target=tgt, rules=rules or default_rules(), mode=mode, dtype=dtype)
+            s = cls(dump=reader, ckpt=ckpt, target=tgt, rules=rules or default_rules(), mode=mode, dtype=dtype,
+                    watchdog=watchdog)
         except BaseException:
             if owned:
                 reader.close()

@@ -72,7 +72,7 @@ def observe_layer(s: Session, i: int) -> Iterator[Observation]:
     """Teacher-forced replay of layer i over the dump's prefill and decode steps (`layer` and `forced` modes)."""
     cfg = s.config
     hf = s.ckpt.hf_tensors(i)
-    s.target.load_layer(i, hf)
+    s.call(f"layer {i}: load_layer", s.target.load_layer, i, hf)
     bias = _bias(hf, i)
     forcing = s.mode == "forced"
     can_force = "forced_routing" in s.target.capabilities
@@ -87,13 +87,16 @@ def observe_layer(s: Session, i: int) -> Iterator[Observation]:
             positions = _positions(s, phase, step, hidden.shape[1])
             ref_topk = _ref_topk(s, phase, step, i) if cfg.is_moe(i) else None
             prev_state = state  # attention state does not depend on routing, so a forced re-run reuses it
-            res = s.target.layer_forward(i, hidden, positions, prev_state, forced_topk=ref_topk if forcing else None)
+            res = s.call(f"layer {i} {phase} step {step}: layer_forward", s.target.layer_forward, i, hidden, positions,
+                         prev_state, forced_topk=ref_topk if forcing else None)
             state = res.state
             pts = _points(res, hidden)
             forced_pts = None
             if (not forcing and ref_topk is not None and can_force
                     and _routing_differs(pts.get("mlp.gate.topk_idx"), ref_topk)):
-                forced_pts = _points(s.target.layer_forward(i, hidden, positions, prev_state, forced_topk=ref_topk))
+                forced_pts = _points(s.call(f"layer {i} {phase} step {step}: layer_forward (forced routing)",
+                                            s.target.layer_forward, i, hidden, positions, prev_state,
+                                            forced_topk=ref_topk))
             yield from _layer_observations(s, phase, step, i, pts, forced_pts, bias, positions, res)
     finally:
         s.target.unload_layer(i)
@@ -120,14 +123,15 @@ def _tokens(s: Session, phase: str, step: int) -> np.ndarray:
 
 def observe_model_points(s: Session) -> Iterator[Observation]:
     """embed / final_norm / logits, teacher-forced: embed from the dump's ids, head fed the dumped last output."""
-    s.target.load_globals(s.ckpt.hf_global_tensors())
+    s.call("load_globals", s.target.load_globals, s.ckpt.hf_global_tensors())
     last_layer = s.config.num_hidden_layers - 1
     for phase, step in s.steps():
         pt = Point(phase, step, None, "embed")
-        yield Observation(pt, _read(s, pt), s.target.embed(_tokens(s, phase, step)), s.mode)
+        yield Observation(pt, _read(s, pt), s.call(f"model {phase} step {step}: embed", s.target.embed,
+                                                    _tokens(s, phase, step)), s.mode)
         last = Point(phase, step, last_layer, "output")
         if s.dump.has(last):
-            head = s.target.head(s.dump.read(last))
+            head = s.call(f"model {phase} step {step}: head", s.target.head, s.dump.read(last))
             for site in ("final_norm", "logits"):
                 pt = Point(phase, step, None, site)
                 yield Observation(pt, _read(s, pt), head.get(site), s.mode)
@@ -135,24 +139,25 @@ def observe_model_points(s: Session) -> Iterator[Observation]:
 
 def observe_free(s: Session, progress=None) -> Iterator[Observation]:
     """Free run from token ids: the target's own activations flow through every layer (error growth)."""
-    s.target.load_globals(s.ckpt.hf_global_tensors())
+    s.call("load_globals", s.target.load_globals, s.ckpt.hf_global_tensors())
     steps = s.steps()
     hiddens = {}
     for phase, step in steps:
-        h = s.target.embed(_tokens(s, phase, step))
+        h = s.call(f"model {phase} step {step}: embed", s.target.embed, _tokens(s, phase, step))
         pt = Point(phase, step, None, "embed")
         yield Observation(pt, _read(s, pt), h, s.mode)
         hiddens[(phase, step)] = h
     for i in range(s.config.num_hidden_layers):
         hf = s.ckpt.hf_tensors(i)
-        s.target.load_layer(i, hf)
+        s.call(f"layer {i}: load_layer", s.target.load_layer, i, hf)
         bias = _bias(hf, i)
         state = None
         try:
             for phase, step in steps:
                 h = hiddens[(phase, step)]
                 positions = _positions(s, phase, step, h.shape[1])
-                res = s.target.layer_forward(i, h, positions, state)
+                res = s.call(f"layer {i} {phase} step {step}: layer_forward", s.target.layer_forward, i, h,
+                             positions, state)
                 state = res.state
                 yield from _layer_observations(s, phase, step, i, _points(res, h), None, bias, positions, res)
                 hiddens[(phase, step)] = res.output
@@ -161,7 +166,7 @@ def observe_free(s: Session, progress=None) -> Iterator[Observation]:
         if progress:
             progress(f"layer {i}")
     for phase, step in steps:
-        head = s.target.head(hiddens[(phase, step)])
+        head = s.call(f"model {phase} step {step}: head", s.target.head, hiddens[(phase, step)])
         for site in ("final_norm", "logits"):
             pt = Point(phase, step, None, site)
             yield Observation(pt, _read(s, pt), head.get(site), s.mode)
@@ -172,7 +177,7 @@ def observe_isolated(s: Session, i: int) -> Iterator[Observation]:
     `Target.submodule` from the dumped tensors the site graph says it is computed from."""
     cfg = s.config
     hf = s.ckpt.hf_tensors(i)
-    s.target.load_layer(i, hf)
+    s.call(f"layer {i}: load_layer", s.target.load_layer, i, hf)
     bias = _bias(hf, i)
     graph = layer_graph(cfg.layer_kind(i), cfg.is_moe(i), cfg.q_lora)
     history: list[tuple[str, int]] = []  # every earlier (phase, step) of this replay
@@ -196,7 +201,8 @@ def observe_isolated(s: Session, i: int) -> Iterator[Observation]:
                     continue
                 if site.positions:
                     inputs["positions"] = positions
-                test = s.target.submodule(i, site.name, inputs, state)
+                test = s.call(f"layer {i} {phase} step {step}: submodule {site.name}", s.target.submodule, i,
+                              site.name, inputs, state)
                 yield Observation(pt, s.dump.read(pt), None if test is None else np.asarray(test), s.mode,
                                   positions=positions, feeds=site.inputs, expert_bias=bias)
             history.append((phase, step))
