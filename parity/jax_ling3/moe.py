@@ -98,7 +98,7 @@ def block_rows(n_assign: int, n_experts: int) -> int:
     """Static row-block size of the blocked path: the power of two nearest the mean rows per expert, in [8, 32].
     Each used expert wastes < 1 block of padding, so bigger blocks give bigger GEMMs but more wasted rows. The cap: for
     GEMMs of up to 32 rows XLA:CPU (its YNNPACK dot, jax 0.10) gives every row the same bits whatever the row count
-    (measured at Ling3-Tiny shapes for 8, 16, 24, 32 rows; 64 and 128 rows change 120 of 786k outputs by a bf16 ULP),
+    (measured at Ling3-Tiny shapes, T=512, for 8, 16, 24, 32 rows; 64 and 128 rows change 120 of 786k outputs),
     so a row's result does not depend on how many rows its expert got, i.e. on T; speed is the same within noise
     (T=2048: 128-row blocks waste ~50 % rows to padding, 32-row blocks ~12 %)."""
     mean = max(1.0, n_assign / n_experts)
