@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 # Unit tests jit jax_ling3 functions themselves (not only through the reference's compiled layer), so the machinery
@@ -12,6 +13,13 @@ if "xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from parity.cpu_isa import ensure_usable_onednn_isa
+
+# Tests run torch bf16 GEMMs directly (not only through the loader): probe AMX once per run, before any of them
+# (parity/cpu_isa.py; the verdict reaches xdist workers and child processes through the environment).
+if _note := ensure_usable_onednn_isa():
+    print(_note, file=sys.stderr)
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED_CKPT = REPO / "dumps" / "ckpt"

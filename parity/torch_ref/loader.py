@@ -212,6 +212,10 @@ def load_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from parity.cpu_isa import ensure_usable_onednn_isa
+
+    if note := ensure_usable_onednn_isa():  # before the model's first bf16 GEMM (parity/cpu_isa.py)
+        print(note, file=sys.stderr)
     os.environ["HF_HUB_OFFLINE"] = "1"
     if runtime not in RUNTIMES:
         raise ParityError(f"runtime {runtime!r}: expected one of {RUNTIMES}")

@@ -1,0 +1,66 @@
+"""parity/cpu_isa.py: oneDNN is capped below AMX exactly when AMX is advertised and a bf16 GEMM traps."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from parity import cpu_isa
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for v in (cpu_isa.ISA_VAR, cpu_isa.LEGACY_ISA_VAR, cpu_isa.PROBE_VAR):
+        monkeypatch.delenv(v, raising=False)
+    return monkeypatch
+
+
+def _probe(verdict):
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return verdict
+    return probe, calls
+
+
+def test_no_amx_no_probe_no_change(clean_env):
+    probe, calls = _probe("sigill")
+    assert cpu_isa.ensure_usable_onednn_isa(probe=probe, flags={"avx512f", "avx512_bf16"}) is None
+    assert calls == [] and cpu_isa.ISA_VAR not in os.environ
+
+
+def test_trapping_amx_is_capped_once(clean_env):
+    probe, calls = _probe("sigill")
+    note = cpu_isa.ensure_usable_onednn_isa(probe=probe, flags={"amx_tile", "amx_bf16"})
+    assert note and "SIGILL" in note and os.environ[cpu_isa.ISA_VAR] == cpu_isa.CAPPED_ISA
+    assert calls == [1] and os.environ[cpu_isa.PROBE_VAR] == "sigill"
+    clean_env.delenv(cpu_isa.ISA_VAR)  # a child process inheriting the verdict caps without probing again
+    assert cpu_isa.ensure_usable_onednn_isa(probe=probe, flags={"amx_tile"}) and calls == [1]
+
+
+def test_working_amx_and_user_choice_are_left_alone(clean_env):
+    probe, calls = _probe("ok")
+    assert cpu_isa.ensure_usable_onednn_isa(probe=probe, flags={"amx_tile"}) is None
+    assert cpu_isa.ISA_VAR not in os.environ
+    clean_env.setenv(cpu_isa.ISA_VAR, "AVX2")
+    clean_env.delenv(cpu_isa.PROBE_VAR)
+    probe2, calls2 = _probe("sigill")
+    assert cpu_isa.ensure_usable_onednn_isa(probe=probe2, flags={"amx_tile"}) is None
+    assert calls2 == [] and os.environ[cpu_isa.ISA_VAR] == "AVX2"
+
+
+def test_cpu_flags_parses_cpuinfo():
+    text = "processor\t: 0\nflags\t\t: fpu avx2 amx_tile\n\nprocessor\t: 1\nflags\t\t: fpu\n"
+    assert cpu_isa.cpu_flags(text) == {"fpu", "avx2", "amx_tile"}
+
+
+def test_real_bf16_gemm_works_under_the_guard():
+    """On this machine: the probe's verdict, and a child bf16 GEMM run with the environment the guard leaves."""
+    env = {k: v for k, v in os.environ.items() if k not in (cpu_isa.ISA_VAR, cpu_isa.PROBE_VAR)}
+    code = ("import os, sys\nfrom parity.cpu_isa import ensure_usable_onednn_isa\nensure_usable_onednn_isa()\n"
+            "import torch\na = torch.full((64, 64), 0.5, dtype=torch.bfloat16)\n"
+            "assert float((a @ a)[0, 0]) == 16.0\nprint(os.environ.get('LING3_PARITY_AMX_PROBE', 'not probed'))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
