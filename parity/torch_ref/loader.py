@@ -22,6 +22,7 @@ explicit positions manual decode needs (ORC §3). HF_HUB_OFFLINE=1 and `local_fi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -241,7 +242,7 @@ def load_model(
         if not raw.get("auto_map", {}).get("AutoModelForCausalLM"):
             raise CheckpointError(f"{ckpt / 'config.json'}: no auto_map.AutoModelForCausalLM; the remote runtime needs "
                                   "the checkpoint's own modeling file")
-        from parity.torch_ref.remote_code import describe_code, twin_mismatch
+        from parity.torch_ref.remote_code import checkpoint_code, describe_code, twin_mismatch
 
         not_twin = twin_mismatch(ckpt)
         if not_twin and trust_remote_code is False:
@@ -250,7 +251,10 @@ def load_model(
                                   "(--trust-remote-code) if you trust it, or use the native runtime")
         guards["remote_code"] = {"files": describe_code(ckpt), "suite_twin": not not_twin,
                                  "trusted": "explicitly" if trust_remote_code else
-                                            ("as the suite's twin" if not not_twin else "unchecked")}
+                                            ("as the suite's twin" if not not_twin else "unchecked"),
+                                 # which code ran, verifiably (e.g. the official file's published sha256)
+                                 "sha256": {str(f.relative_to(ckpt)): hashlib.sha256(f.read_bytes()).hexdigest()
+                                            for f in checkpoint_code(ckpt)}}
         rs = raw.get("rope_scaling")
         if rs not in (None, {}) and not (isinstance(rs, dict) and rs.get("rope_type", rs.get("type")) == "default"
                                          and len(rs) <= 2):
