@@ -53,7 +53,7 @@ import numpy as np
 from parity.errors import CheckpointError, ConfigError, DumpError, ParityError
 from parity.mtp_points import GROUP_RE as _MTP_RE
 from parity.mtp_points import MtpPoint
-from parity.points import Point
+from parity.points import Point, mtp_site
 
 SCHEMA = "ling3-parity-dump"
 VERSION = 1
@@ -948,6 +948,14 @@ def validate_dump(path: str | os.PathLike, *, expect_fingerprint: str | None = N
 
 
 # ---------------------------------------------------------------------------------------------------- reader
+def _stored(point):
+    """The replay names MTP points `Point(phase, step, None, "MTP{j}/<site>")` (parity.points.mtp_site); the file
+    indexes them as `MtpPoint`s."""
+    if isinstance(point, Point) and point.layer is None and (m := mtp_site(point.site)) is not None:
+        return MtpPoint(point.phase, point.step, m[0], m[1])
+    return point
+
+
 class DumpReader:
     """Lazy read-only view of a validated dump. Safe to open from several processes at once (no HDF5 locking)."""
 
@@ -1053,11 +1061,13 @@ class DumpReader:
         return sorted(self._stats_index, key=_sort_key)
 
     def has(self, point: Point | MtpPoint) -> bool:
+        point = _stored(point)
         return point in self._index or point in self._mtp_index
 
     # -- data
     def read(self, point: Point, index: Any = ()) -> np.ndarray:
         """The array of a point (optionally `index`-sliced, read lazily); bf16 comes back as ml_dtypes.bfloat16."""
+        point = _stored(point)
         ds = self._dataset(point)
         with _h5_errors(self.path, f"cannot read {point.key()}"):
             a = np.asarray(ds[index])
@@ -1065,11 +1075,13 @@ class DumpReader:
 
     def dtype(self, point: Point | MtpPoint) -> str:
         """The point's logical dtype attr ("bfloat16", "float32", ...), checked against its storage on open."""
+        point = _stored(point)
         if not self.has(point):
             raise DumpError(self._missing_message(point))
         return self._dtypes[point]
 
     def attrs(self, point: Point) -> dict:
+        point = _stored(point)
         if point not in self._attrs:
             ds = self._dataset(point)
             with _h5_errors(self.path, f"cannot read attributes of {point.key()}"):
@@ -1109,6 +1121,7 @@ class DumpReader:
                     for p, _ in _iter_phase(st, ph, self.path, "/stats")}
 
     def _dataset(self, point: Point | MtpPoint) -> h5py.Dataset:
+        point = _stored(point)
         if not self.has(point):
             raise DumpError(self._missing_message(point))
         with _h5_errors(self.path, f"cannot open {point.key()}"):

@@ -32,10 +32,11 @@ MTP_SITES_BEFORE = ("embed", "enorm", "hnorm", "eh_proj")
 MTP_SITES_AFTER = ("final_layernorm:in", "final_layernorm", "logits")
 
 
-def mtp_sites(cfg) -> tuple[str, ...]:
+def mtp_sites(cfg, *, recorded_inputs: bool = False) -> tuple[str, ...]:
     """All sites of an MTP layer, in execution order. Its decoder block is MLA + MoE (facts §2); the main layers'
-    `input` (= `eh_proj` here) and `output` (= `final_layernorm:in`) are not repeated."""
-    block = layer_sites("mla", True, cfg.q_lora)
+    `input` (= `eh_proj` here) and `output` (= `final_layernorm:in`) are not repeated. `recorded_inputs`: also the
+    block's `<module>:in` sites (as `parity.points.layer_sites`)."""
+    block = layer_sites("mla", True, cfg.q_lora, recorded_inputs=recorded_inputs)
     assert block[0] == "input" and block[-1] == "output"
     return (*MTP_SITES_BEFORE, *block[1:-1], *MTP_SITES_AFTER)
 

@@ -44,6 +44,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--parity-mesh", default=None,
                 help="shard the target's layer params over a device mesh: auto | N | EXPERTSxHEADS (e.g. 4x2)")
     g.addoption("--parity-layers", default=None, help="layers to replay, e.g. 0-3,7 (default all)")
+    g.addoption("--parity-semantics", default="dump", choices=("dump", "intended"),
+                help="behaviour of the reference target on the semantic forks (SwiGLU clamp, KDA gate/beta "
+                     "precision): the dump's recorded runtime (default) or the model's intended one; where the dump "
+                     "departs, differences the fork explains are reported as `semantic`, not failures")
     g.addoption("--parity-stall-timeout", default=None, type=float, metavar="SECONDS",
                 help="a target call (one layer, step, method) that has not returned after this long fails, naming it, "
                      "with every thread's Python and native stacks (default 600; 0 = no limit)")
@@ -160,7 +164,8 @@ class ParitySession:
         s = Session.open(self.reader(entry), opt("--parity-ckpt"), target=opt("--parity-target"),
                          mode=entry.mode, rules=self.rules(),
                          mesh=getattr(self.config, "_parity_mesh", None),  # mesh built in pytest_configure
-                         layers=None if layers is None else sorted(layers), watchdog=self.watchdog())
+                         layers=None if layers is None else sorted(layers), watchdog=self.watchdog(),
+                         semantics=opt("--parity-semantics"))
         self.sessions[entry.run] = s
         return s
 
@@ -223,6 +228,7 @@ def parity_params(config: pytest.Config) -> list:
     dump's model at every step it was made with, and any other point the dump holds. Points not compared by choice
     (the dump's own --layers/--sites, --parity-layers) get no test: the report lists them as not tested."""
     from parity.errors import ParityError
+    from parity.points import mtp_site
     from parity.replay.coverage import owed_points
 
     sess = _session(config)
@@ -240,23 +246,26 @@ def parity_params(config: pytest.Config) -> list:
                 continue
             p = o.point
             ph = "prefill" if p.phase == "prefill" else f"decode_{p.step}"
-            lay = "model" if p.layer is None else f"layer_{p.layer}"
-            marks = [_xdist_group(entry, p.layer)]
+            mtp = mtp_site(p.site)  # an MTP layer's point: its own replay unit "MTP{j}", id .../MTP0/<site>
+            unit = p.layer if mtp is None else f"MTP{mtp[0]}"
+            lay = ("model" if p.layer is None else f"layer_{p.layer}") if mtp is None else None
+            marks = [_xdist_group(entry, unit)]
             if o.unknown:
                 marks.append(pytest.mark.parity_error(
                     f"{entry.path}: holds {p.key()}, which is not a point of its model (layer kinds and sites of "
                     "parity/points.py): no replay compares it"))
-            params.append(pytest.param(entry, (p.phase, p.step, p.layer, p.site), p.layer,
-                                       id=f"{entry.run}/{ph}/{lay}/{p.site}", marks=marks))
+            params.append(pytest.param(entry, (p.phase, p.step, p.layer, p.site), unit,
+                                       id="/".join(x for x in (entry.run, ph, lay, p.site) if x), marks=marks))
     return params
 
 
-def _xdist_group(entry: DumpEntry, layer: int | None):
+def _xdist_group(entry: DumpEntry, layer: int | str | None):
     """One replay serves every point of a (dump, layer): with -n, its tests run on one worker (under xdist's default
     `load` each worker would replay every layer again). The mark serves an explicit `--dist loadgroup` where pytest
     keeps xdist's id suffix (< 9.2); by default the scheduler reads the same group from the test id
     (parity/xdist_groups.py). Per layer, not per dump, so a big dump's layers still spread over the workers."""
-    return pytest.mark.xdist_group(f"parity:{entry.run}:{'model' if layer is None else f'L{layer:02d}'}")
+    unit = "model" if layer is None else layer if isinstance(layer, str) else f"L{layer:02d}"
+    return pytest.mark.xdist_group(f"parity:{entry.run}:{unit}")
 
 
 def _dist_given(config: pytest.Config) -> bool:
@@ -478,8 +487,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
             r.pop("dump", None)
         recs = recs + not_tested_records(reader, {(r["phase"], r["step"], r["layer"], r["site"]) for r in recs},
                                          layers_opt)
+        from parity.semantics import report_section
+
         rep = build_report(cfg, recs, dump=str(entry.path), target=config.getoption("--parity-target"),
-                           mode=entry.mode)
+                           mode=entry.mode, extra={"semantics": report_section(
+                               reader.semantics, config.getoption("--parity-semantics"), recs)})
         if not dump_compared:
             rep["passed"] = False
             rep["note"] = "no point of this dump was compared"
@@ -512,6 +524,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(line)
     for rep, path in built or ():
         terminalreporter.write_line(summary_text(rep))
+        from parity.semantics import report_lines
+
+        for line in report_lines(rep.get("semantics")):
+            terminalreporter.write_line(line)
         nt = [r for r in rep["points"] if r.get("status") == "not-tested"]
         if nt:
             why: dict[str, int] = {}

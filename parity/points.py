@@ -11,6 +11,7 @@ holds the names, their order and the HDF5 / report spellings.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -165,6 +166,17 @@ def site_class(site: str) -> str:
     return next((s.cls for s in SITE_GRAPH if s.name == site), "other")
 
 
+# MTP layer j's sites travel through the replay as model-level points (layer None) named "MTP{j}/<site>"; their
+# report/HDF5 spelling is the MTP group's own (`/prefill/MTP0/eh_proj`, parity.mtp_points, DESIGN §4 addition).
+MTP_SITE_RE = re.compile(r"^MTP(\d+)/(.+)$")
+
+
+def mtp_site(site: str) -> tuple[int, str] | None:
+    """("MTP0/eh_proj") -> (0, "eh_proj"); None for any other site name."""
+    m = MTP_SITE_RE.match(site)
+    return None if m is None else (int(m.group(1)), m.group(2))
+
+
 @dataclass(frozen=True, order=True)
 class Point:
     phase: str
@@ -177,10 +189,12 @@ class Point:
         return "/".join(self.h5_parts())
 
     def h5_parts(self) -> tuple[str, ...]:
-        lay = "model" if self.layer is None else layer_group(self.layer)
+        lay, site = ("model" if self.layer is None else layer_group(self.layer)), self.site
+        if self.layer is None and (m := mtp_site(site)) is not None:
+            lay, site = f"MTP{m[0]}", m[1]
         if self.phase == "prefill":
-            return ("prefill", lay, self.site)
-        return ("decode", step_group(self.step), lay, self.site)
+            return ("prefill", lay, site)
+        return ("decode", step_group(self.step), lay, site)
 
     def h5_path(self) -> str:
         """HDF5 dataset path of DESIGN §4, e.g. `/prefill/L03/attention.o_proj`, `/decode/S001/L03/attention.core`."""

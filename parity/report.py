@@ -1,7 +1,7 @@
 """First divergence and the reports (DESIGN §8): report.json (minimal contract), report.md, self-contained report.html.
 
 A report covers one (dump, target, mode). Its input is a list of point records — one dict per compared point with
-`phase, step, layer, site, status` (`pass|fail|missing|skipped|benign`) and the verdict statistics of
+`phase, step, layer, site, status` (`pass|fail|missing|skipped|benign|semantic|not-tested`) and the verdict statistics of
 `parity.numerics` (`max_ulp`, `p99_ulp`, `rel_l2`, `cosine`, `worst_index`, `worst_ref`, `worst_test`, ...).
 """
 
@@ -154,6 +154,16 @@ def markdown(report: dict) -> str:
     info = report.get("target_info")  # protocol v2: what actually ran (Target.describe())
     if info:
         out += ["## What ran", ""] + [f"- {k}: `{v}`" for k, v in info.items()] + [""]
+    sem = report.get("semantics")
+    if sem and sem.get("departures"):  # forks where the dump's runtime departs from the intended behaviour
+        out += ["## Semantic forks", "", f"Replayed with the **{sem['replayed_with']}** semantics "
+                "(`--parity-semantics dump|intended`). The dump's runtime departs from the intended behaviour on:", "",
+                "| fork | dump | intended | what |", "|---|---|---|---|"]
+        out += [f"| {d['fork']} | {d['dump']} | {d['intended']} | {d['what']} |" for d in sem["departures"]]
+        if sem.get("explained_points"):
+            out += ["", f"{sem['explained_points']} point(s) differ only by that (status `semantic`): "
+                    + ", ".join(f"`{k}`" for k in sem["explained"][:20])]
+        out.append("")
     fd = report.get("first_divergence")
     if fd:
         out += ["## First divergence", "", f"- point: `{_loc(fd)}` — max {fd.get('max_ulp')} ULP, "

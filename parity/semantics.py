@@ -65,4 +65,34 @@ def summarize(sem: dict[str, Any] | None) -> str:
     return "semantics: " + ", ".join(parts) + tail
 
 
-__all__ = ["SEMANTICS_VERSION", "FORKS", "INTENDED", "departures", "reference_options", "summarize"]
+def report_section(sem: dict[str, Any] | None, replayed_with: str, records: list[dict]) -> dict:
+    """The report's `semantics` section: what the dump recorded, which behaviour the reference followed
+    (`--parity-semantics`), each fork where the dump departs from the intended behaviour, and the points whose
+    difference that departure explains (status `semantic`)."""
+    explained = [r for r in records if r.get("status") == "semantic"]
+    keys = []
+    for r in explained:
+        lay = "model" if r.get("layer") is None else f"L{r['layer']:02d}"
+        ph = "prefill" if r.get("phase") == "prefill" else f"decode/S{r.get('step', 0):03d}"
+        keys.append(f"{ph}/{lay}/{r['site']}")
+    return {"recorded": sem or None, "replayed_with": replayed_with, "departures": departures(sem),
+            "explained_points": len(explained), "explained": keys[:200]}
+
+
+def report_lines(section: dict | None) -> list[str]:
+    """Terminal / markdown lines of a report's semantics section (none when the dump departs on no fork)."""
+    if not section or not section.get("departures"):
+        return []
+    out = [f"  SEMANTICS: the dump's runtime departs from the intended behaviour (replayed with the "
+           f"{section['replayed_with']} semantics; --parity-semantics dump|intended):"]
+    for d in section["departures"]:
+        out.append(f"    {d['fork']}: dump {d['dump']}, intended {d['intended']} — {d['what']}")
+    if section.get("explained_points"):
+        ex = section["explained"]
+        out.append(f"    {section['explained_points']} point(s) differ only by that (status semantic), e.g. "
+                   + ", ".join(ex[:4]))
+    return out
+
+
+__all__ = ["SEMANTICS_VERSION", "FORKS", "INTENDED", "departures", "reference_options", "summarize",
+           "report_section", "report_lines"]

@@ -16,7 +16,8 @@ from xdist.scheduler import LoadGroupScheduling
 
 # the id the plugin gives a parity point (parity/plugin.py parity_params): `<run>/<phase>/<layer>/<site>`, where the
 # run is a dump label (a file name) or `<label>/<mode>` when one pytest run replays several modes
-_POINT_ID = re.compile(r"::test_point\[(?P<dump>.+?)/(?:prefill|decode_\d+)/(?P<layer>layer_\d+|model)/[^/]+\]$")
+# (`<run>/<phase>/MTP<j>/<site>` for an MTP layer's points: one group per MTP layer)
+_POINT_ID = re.compile(r"::test_point\[(?P<dump>.+?)/(?:prefill|decode_\d+)/(?P<layer>layer_\d+|model|MTP\d+)/[^/]+\]$")
 
 
 def point_group(nodeid: str) -> str | None:

@@ -167,8 +167,8 @@ def test_official_equals_native_where_native_supports_the_shape(ckpts, tmp_path)
 
 @needs_official
 def test_reference_replay_of_an_official_dump(ckpts, tmp_path):
-    """Replayed with the dump's semantics (clamp ignored): 0 failed points, every MoE point compared. MTP points
-    are not replayed yet (they are not in `points()`)."""
+    """Replayed with the dump's semantics (clamp ignored): 0 failed points, every MoE point compared, the MTP
+    layer's points included."""
     from parity.replay import run_replay
     from parity.semantics import reference_options
     from parity.targets.reference import ReferenceTarget
@@ -183,7 +183,9 @@ def test_reference_replay_of_an_official_dump(ckpts, tmp_path):
     moe = [p for p in rep["points"] if p["site"].startswith("mlp")]
     assert moe and all(p["status"] in ("pass", "benign") for p in moe)
     skipped = {p["site"] for p in rep["points"] if p["status"] == "skipped"}
-    assert skipped == {"attention.gate"}
-    # and the clamp does matter here: replaying with it applied fails at the clamped layers
+    assert skipped == {"attention.gate", "MTP0/attention.gate"}  # the official MLA's inline head gate
+    # and the clamp does matter here: replayed with it applied, the clamped layers differ — reported as `semantic`
+    # (the dump's runtime departs from the intended behaviour there), not as failures
     rep = run_replay(tmp_path / "off.h5", off, target=ReferenceTarget(clamp=True))
-    assert any(p["status"] == "fail" and p["site"].startswith("mlp") for p in rep["points"])
+    assert any(p["status"] == "semantic" and p["site"].startswith("mlp") for p in rep["points"])
+    assert not any(p["status"] == "fail" for p in rep["points"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from parity.jax_ling3 import REFERENCE_COMPILER_OPTIONS
 from parity.jax_ling3.layer import decoder_layer
 from parity.jax_ling3.norms import rms_norm
 from parity.jax_ling3.ops import linear
@@ -61,6 +62,8 @@ def mtp_logits(lm_head: jnp.ndarray, out: jnp.ndarray) -> jnp.ndarray:
     return linear(out, lm_head).astype(F32)
 
 
-mtp_layer_jit = jax.jit(mtp_layer, static_argnames=("spec",))
+# The reference's bf16 roundings, as every jitted reference function (parity/jax_ling3/__init__.py).
+mtp_layer_jit = jax.jit(mtp_layer, static_argnames=("spec",), compiler_options=REFERENCE_COMPILER_OPTIONS)
+mtp_logits_jit = jax.jit(mtp_logits, compiler_options=REFERENCE_COMPILER_OPTIONS)
 
-__all__ = ["shift_ids", "mtp_input", "mtp_layer", "mtp_logits", "mtp_layer_jit"]
+__all__ = ["shift_ids", "mtp_input", "mtp_layer", "mtp_logits", "mtp_layer_jit", "mtp_logits_jit"]

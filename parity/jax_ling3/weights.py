@@ -440,6 +440,11 @@ class CheckpointReader:
         lazy = self.lazy_tensors(i)
         return {k: lazy[k] for k in lazy}
 
+    def mtp_hf_tensors(self, j: int) -> dict[str, np.ndarray]:
+        """All `model.layers.{N+j}.*` tensors of MTP layer j, raw names -> numpy."""
+        lazy = self.mtp_lazy_tensors(j)
+        return {k: lazy[k] for k in lazy}
+
     def hf_global_tensors(self) -> dict[str, np.ndarray]:
         lazy = _LazyTensors({k: p for k, p in self.key_files.items() if k in GLOBAL_KEYS})
         return {k: lazy[k] for k in lazy}

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 from parity.replay.judge import judge, judge_point, judge_step
 from parity.replay.records import Observation, PointRecord, Status
 from parity.replay.session import MODES, ModeError, Session, check_mode, dump_steps, find_checkpoint, target_info
-from parity.replay.strategies import (observe, observe_free, observe_isolated, observe_layer,
+from parity.replay.strategies import (mtp_units, observe, observe_free, observe_isolated, observe_layer,
                                       observe_model_points)
 
 
@@ -25,37 +25,43 @@ def replay_records(session: Session, layers=None, progress: Callable[[str], None
     model-level points (free mode: the whole model from token ids)."""
     if session.mode == "free":
         yield from judge(session, observe_free(session, progress))
-        return
-    held = set(session.layers())
-    for i in range(session.config.num_hidden_layers) if layers is None else layers:
-        if i in held:
-            yield from judge(session, observe(session, i))
-            if progress:
-                progress(f"layer {i}")
-    yield from judge(session, observe_model_points(session))
+    else:
+        held = set(session.layers())
+        for i in range(session.config.num_hidden_layers) if layers is None else layers:
+            if i in held:
+                yield from judge(session, observe(session, i))
+                if progress:
+                    progress(f"layer {i}")
+        yield from judge(session, observe_model_points(session))
+    if layers is None:  # the MTP layers (a main-layer selection does not name them)
+        for j in mtp_units(session):
+            yield from judge(session, observe(session, j))
 
 
 def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", rules=None,
                layers=None, progress: Callable[[str], None] | None = None, mesh=None,
-               stall_timeout: float | None = None) -> dict:
+               stall_timeout: float | None = None, semantics: str = "dump") -> dict:
     """Programmatic replay of a whole dump: returns the report dict (`parity.report.build_report`).
 
     ckpt_dir defaults to the bundled checkpoint with the dump's fingerprint; target defaults to the reference target
     (a name, class or built instance); rules to the default tolerance table; mesh (a jax Mesh or a `--parity-mesh`
     string such as "4x2") is handed to the target's build; stall_timeout (seconds, default
-    `watchdog.DEFAULT_LIMIT_S`; 0 = none) bounds every target call (`parity.replay.watchdog`). `pytest parity` does
-    the same thing point by point.
+    `watchdog.DEFAULT_LIMIT_S`; 0 = none) bounds every target call (`parity.replay.watchdog`); semantics ("dump" or
+    "intended", `--parity-semantics`) is the behaviour on the semantic forks a reference the replay constructs
+    follows (parity/semantics.py). `pytest parity` does the same thing point by point.
     """
     from parity.replay.watchdog import DEFAULT_LIMIT_S, Watchdog
 
     from parity.report import build_report
 
     wd = Watchdog(DEFAULT_LIMIT_S if stall_timeout is None else stall_timeout)
+    from parity.semantics import report_section
+
     with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=rules, mesh=mesh,
-                      layers=None if layers is None else list(layers), watchdog=wd) as s:
+                      layers=None if layers is None else list(layers), watchdog=wd, semantics=semantics) as s:
         records = [r.to_json() for r in replay_records(s, layers, progress)]
         rep = build_report(s.config, records, dump=str(dump_path), target=getattr(s.target, "name", "?"),
-                           mode=mode)
+                           mode=mode, extra={"semantics": report_section(s.dump.semantics, semantics, records)})
         rep["target_info"] = target_info(s.target)  # protocol v2: what actually ran
         return rep
 

@@ -5,7 +5,7 @@ sites, every site of every layer — is either compared, or listed: `missing` (a
 and does not (a deleted layer, a lost decode step), `not-tested` when someone chose not to compare it (the dump was
 made with `--layers` / `--sites`, the run selected `--parity-layers`, `-k`, `--deselect`, or stopped early). A point
 the dump holds that no replay compares (an unknown site name) is owed too: its test fails naming it. MTP layers'
-points (their own groups) are listed as not tested until a replay strategy compares them.
+points (their own groups) are owed like the main layers'; a target without the `mtp` capability skips them, saying so.
 """
 
 from __future__ import annotations
@@ -95,9 +95,42 @@ def owed_points(dump, layers: set[int] | None = None) -> list[Owed]:
         if p not in known:
             known.add(p)
             out.append(Owed(p, None, unknown=True))
-    for m in getattr(dump, "mtp_points", lambda: [])():  # listed, not compared: no replay strategy covers MTP yet
-        out.append(Owed(Point(m.phase, m.step, None, f"MTP{m.mtp}/{m.site}"),
-                        "MTP layer: no replay compares MTP points yet"))
+    out += _owed_mtp(dump, made, sites_f, layers)
+    return out
+
+
+def _owed_mtp(dump, made: list[int], sites_f: list[str], layers: set[int] | None) -> list[Owed]:
+    """The MTP layers' points (`Point(phase, step, None, "MTP{j}/<site>")`, parity.points.mtp_site): every site of
+    every MTP layer at every step. The dumper captures them only when every main layer is dumped (parity.torch_ref.
+    dump); a `--parity-layers` selection does not name them, so it leaves them untested."""
+    from parity.mtp_points import mtp_sites
+
+    cfg = dump.config
+    n = int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)
+    held = {Point(m.phase, m.step, None, f"MTP{m.mtp}/{m.site}") for m in dump.mtp_points()}
+    captured = dump.meta.get("mtp_captured")  # root attr since MTP capture (parity.torch_ref.dump)
+    if not isinstance(captured, int) or isinstance(captured, bool):
+        captured = None
+    out, seen = [], set()
+    for phase, step in expected_steps(dump):
+        for j in range(n):
+            for site in mtp_sites(cfg, recorded_inputs=True):
+                p = Point(phase, step, None, f"MTP{j}/{site}")
+                why = None
+                if captured is None and not held:
+                    why = "not in the dump: it records no MTP capture (made before the suite captured MTP layers)"
+                elif captured is not None and j >= captured:
+                    why = ("not in the dump: MTP layers are dumped only with every main layer (--layers "
+                           f"{_fmt_layers(made)})" if len(made) < cfg.num_hidden_layers else
+                           "not in the dump: it was made without its MTP layers")
+                elif sites_f and not any(fnmatch.fnmatchcase(site, f) for f in sites_f):
+                    why = f"not in the dump: it was made with --sites {','.join(sites_f)}"
+                elif layers is not None:
+                    why = f"not selected (--parity-layers {_fmt_layers(sorted(layers))} names main layers only)"
+                seen.add(p)
+                out.append(Owed(p, why))
+    for p in sorted(held - seen, key=lambda p: (p.phase != "prefill", p.step, p.site)):
+        out.append(Owed(p, None, unknown=True))  # an MTP group the model does not have (or an unknown site)
     return out
 
 

@@ -8,7 +8,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from parity.points import Point
+from parity.points import Point, mtp_site
 from parity.replay.records import Observation, PointRecord, Status, skipped
 from parity.replay.routing import routing_record, shape_mismatch
 from parity.replay.strategies import ROUTER_DOWNSTREAM
@@ -18,7 +18,10 @@ def unavailable_reason(dump, point: Point) -> str | None:
     """The reason the dump declares `point` unavailable (by layer/site, full key or site pattern), else None."""
     un = dump.unavailable()
     lay = "model" if point.layer is None else f"L{point.layer:02d}"
-    for key in (f"{lay}/{point.site}", point.key(), point.site):
+    keys = [f"{lay}/{point.site}", point.key(), point.site]
+    if (m := mtp_site(point.site)) is not None:  # MTP layers: "MTP0/<site>" or the whole layer "MTP0/*"
+        keys.append(f"MTP{m[0]}/*")
+    for key in keys:
         if key in un:
             return un[key]
     return None
@@ -50,13 +53,46 @@ def _judge(session, obs: Observation) -> PointRecord:
         ref, test = obs.transform.apply(ref, test)
     if test.shape != ref.shape:
         return shape_mismatch(point, ref.shape, test.shape)
-    rule = session.rules.rule_for(point.site, session.mode, dump.dtype(point), session.dtype)
+    rule = session.rules.rule_for(_base(point.site), session.mode, dump.dtype(point), session.dtype)
     v = compare(ref, test, rule, name=point.key())
     stats = v.to_dict()
     if obs.transform is not None:
         stats["transform"] = obs.transform.note
+    if not v.passed and (why := _explained_by_fork(obs, ref, test, rule)) is not None:
+        return PointRecord(point, Status.SEMANTIC, stats=stats, reason=why, message=f"{point.key()}: {why}")
     return PointRecord(point, Status.PASS if v.passed else Status.FAIL, stats=stats,
                        message=None if v.passed else v.message())
+
+
+def _explained_by_fork(obs: Observation, ref: np.ndarray, test: np.ndarray, rule) -> str | None:
+    """Why a failing point is a `semantic` difference, or None. Both must hold, each under the point's own rule:
+    the reference following the dump's semantics matches the dump here (the fork accounts for the difference), and
+    the target matches the reference following the intended semantics (it implements the intended behaviour)."""
+    from parity.numerics.compare import compare
+
+    sh = obs.shadow
+    if not sh or obs.transform is not None:
+        return None
+    sd, si = sh.get("dump"), sh.get("intended")
+    if sd is None or si is None:
+        return None
+    sd, si = np.asarray(sd), np.asarray(si)
+    if sd.shape != ref.shape or si.shape != ref.shape:
+        return None
+    if not (compare(ref, sd, rule).passed and compare(si, test, rule).passed):
+        return None
+    forks = ", ".join(sh.get("forks") or ["?"])
+    return (f"differs from the dump where the dump's runtime departs from the intended semantics ({forks}): the "
+            "reference with the dump's semantics matches the dump here, and the target matches the reference with "
+            "the intended semantics")
+
+
+def _base(site: str) -> str:
+    """The site within its layer, also what the tolerance rules are looked up by: an MTP layer's block sites are the same computations as a
+    main layer's (its `attention.*`, `mlp.*`, norms); its own sites (enorm, hnorm, eh_proj, final_layernorm) have no
+    entry of their own and take the tier's catch-all (the loosest calibrated class)."""
+    m = mtp_site(site)
+    return site if m is None else m[1]
 
 
 def _with(rec: PointRecord, obs: Observation) -> PointRecord:
@@ -68,13 +104,16 @@ def _with(rec: PointRecord, obs: Observation) -> PointRecord:
 def judge_step(session, observations: list[Observation]) -> list[PointRecord]:
     """The observations of one (phase, step, layer): routing judged as expert sets, and where the routing differs
     only benignly the router's downstream points judged on the run forced to the reference's experts."""
-    plain = {o.point.site: o for o in observations if not o.forced}
-    forced = {o.point.site: o for o in observations if o.forced}
+    # keyed by the site within its layer (an MTP layer's `MTP0/mlp` is its `mlp`)
+    plain = {_base(o.point.site): o for o in observations if not o.forced}
+    forced = {_base(o.point.site): o for o in observations if o.forced}
     recs: dict[str, PointRecord] = {}
     ids = plain.get("mlp.gate.topk_idx")
-    layer = observations[0].point.layer
+    first = observations[0].point
+    layer = first.layer
+    moe = (layer is not None and session.dump.config.is_moe(layer)) or mtp_site(first.site) is not None  # MTP: MoE
     routing = None
-    if (layer is not None and session.dump.config.is_moe(layer) and ids is not None and ids.skip is None
+    if (moe and ids is not None and ids.skip is None
             and ids.ref is not None and ids.test is not None and ids.expert_bias is not None):
         lg = plain.get("mlp.gate.logits")
         logits_rec = judge_point(session, lg) if lg is not None else None
@@ -104,5 +143,9 @@ def judge_step(session, observations: list[Observation]) -> list[PointRecord]:
 
 def judge(session, observations: Iterable[Observation]) -> Iterator[PointRecord]:
     """Judge a stream of observations; consecutive observations of one (phase, step, layer) are judged together."""
-    for _, group in groupby(observations, key=lambda o: (o.point.phase, o.point.step, o.point.layer)):
+    def unit(o: Observation):
+        m = mtp_site(o.point.site)
+        return o.point.phase, o.point.step, o.point.layer, None if m is None else m[0]
+
+    for _, group in groupby(observations, key=unit):
         yield from judge_step(session, list(group))

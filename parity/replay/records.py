@@ -58,6 +58,10 @@ class Observation:
     # target computed, and the target's own reason when it did not produce the point
     transform: Any = None
     why_absent: str | None = None
+    # where the dump's runtime departs from the intended semantics on a fork that changes this layer: the site's
+    # array from a reference following the dump's semantics and from one following the intended ones
+    # ({"dump": arr, "intended": arr, "forks": [names]}); the judge classifies a failure they explain as `semantic`
+    shadow: dict | None = field(default=None, repr=False)
 
 
 @dataclass

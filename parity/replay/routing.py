@@ -28,7 +28,7 @@ def routing_record(dump, point: Point, test_idx: np.ndarray, test_logits: np.nda
     flips = np.argwhere(~same)
     benign = np.zeros(same.shape, bool)
     worst = None
-    lp = Point(point.phase, point.step, point.layer, "mlp.gate.logits")
+    lp = Point(point.phase, point.step, point.layer, point.site.replace("mlp.gate.topk_idx", "mlp.gate.logits"))
     ref_logits = dump.read(lp).astype(np.float64) if dump.has(lp) else None
     if ref_logits is not None and test_logits is not None and np.shape(test_logits) != ref_logits.shape:
         test_logits = None  # the logits record reports the shape mismatch; no noise estimate from them

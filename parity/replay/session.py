@@ -90,13 +90,55 @@ class Session:
     mode: str = "layer"
     dtype: str = "bfloat16"
     watchdog: Any = None  # parity.replay.watchdog.Watchdog; None: the default limit
+    semantics: str = "dump"  # which behaviour on the semantic forks the reference follows: "dump" | "intended"
 
     def __post_init__(self) -> None:
         check_mode(self.mode, self.target)
+        if self.semantics not in SEMANTICS:
+            raise ParityError(f"semantics {self.semantics!r}: expected one of {', '.join(SEMANTICS)}")
         if self.watchdog is None:
             from parity.replay.watchdog import Watchdog
 
             self.watchdog = Watchdog()
+        self._shadows: dict[str, Any] = {}
+
+    # -------------------------------------------------------------- semantic forks (parity/semantics.py)
+    def departures(self) -> list[dict]:
+        """Forks where the dump's runtime departs from the model's intended behaviour."""
+        from parity.semantics import departures
+
+        return departures(self.dump.semantics)
+
+    def fork_options(self, which: str) -> dict:
+        """Reference options reproducing the dump's semantics (`which`="dump") or the intended ones."""
+        from parity.semantics import reference_options
+
+        return reference_options(self.dump.semantics, intended=which == "intended")
+
+    def forks_matter(self, i: int) -> bool:
+        """Whether the dump departs from the intended semantics in a way that changes layer i (its statics differ
+        between the two reference configurations; MTP layers and free/isolated modes are not shadowed)."""
+        if not self.departures() or self.mode not in ("layer", "forced"):
+            return False
+        from parity.jax_ling3.spec import layer_spec
+
+        a, b = self.fork_options("dump"), self.fork_options("intended")
+        return layer_spec(self.config, i, self.dtype, **a) != layer_spec(self.config, i, self.dtype, **b)
+
+    def shadow(self, which: str):
+        """A built reference target following `which` semantics, for classifying differences the fork explains
+        (`semantic`, not `fail`); None when the session's target already is that reference (no second run)."""
+        opts = self.fork_options(which)
+        if getattr(self.target, "follows_semantics", False) and type(self.target).__name__ == "ReferenceTarget" \
+                and self.target.semantic_options() == opts:
+            return None
+        if which not in self._shadows:
+            from parity.targets.reference import ReferenceTarget
+
+            t = ReferenceTarget(**opts)
+            t.build(self.config, self.dtype)
+            self._shadows[which] = t
+        return self._shadows[which]
 
     def call(self, what: str, fn, *args, **kwargs):
         """A target call under the session's watchdog: a stall is a StallError naming the dump, what was called
@@ -105,7 +147,7 @@ class Session:
 
     @classmethod
     def open(cls, dump, ckpt_dir: str | Path | None = None, *, target=None, mode: str = "layer", rules=None,
-             mesh=None, layers: list[int] | None = None, watchdog=None) -> "Session":
+             mesh=None, layers: list[int] | None = None, watchdog=None, semantics: str = "dump") -> "Session":
         """Open a dump (path or DumpReader), find its checkpoint, resolve and build the target ('reference' by
         default; a name as `--parity-target` takes, a Target class or instance), with the default rules unless
         given. `mesh`: a jax Mesh or a `--parity-mesh` spec such as "4x2". The session owns a dump it opened.
@@ -113,8 +155,16 @@ class Session:
         `layers` the replay will visit (None: all)."""
         from parity.numerics.tolerances import default_rules
 
+        if semantics not in SEMANTICS:
+            raise ParityError(f"semantics {semantics!r}: expected one of {', '.join(SEMANTICS)}")
         reader, owned, tgt, ckpt_path, ckpt = prepare(dump, ckpt_dir, target=target, mode=mode)
         try:
+            if getattr(tgt, "follows_semantics", False) and not _is_instance_given(target):
+                # a reference the replay constructs follows the dump's semantics (or the intended ones); an instance
+                # the caller built keeps its own settings
+                from parity.semantics import reference_options
+
+                tgt.use_semantics(**reference_options(reader.semantics, intended=semantics == "intended"))
             dtype = reader.meta.get("compute_dtype", "bfloat16")
             if isinstance(mesh, str):
                 from parity.jax_ling3.sharding import mesh_from_spec
@@ -130,7 +180,7 @@ class Session:
                 raise TargetError(f"target {getattr(tgt, 'name', type(tgt).__name__)!r}: build({reader.path.name} "
                                   f"config, {dtype}) raised {type(e).__name__}: {_first_line(e)}") from None
             s = cls(dump=reader, ckpt=ckpt, target=tgt, rules=rules or default_rules(), mode=mode, dtype=dtype,
-                    watchdog=watchdog)
+                    watchdog=watchdog, semantics=semantics)
         except BaseException:
             if owned:
                 reader.close()
@@ -158,6 +208,13 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+SEMANTICS = ("dump", "intended")
+
+
+def _is_instance_given(target) -> bool:
+    return target is not None and not isinstance(target, (str, type))
 
 
 def _first_line(e: BaseException) -> str:

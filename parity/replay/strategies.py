@@ -24,7 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
-from parity.points import Point, layer_graph, sites_for_config
+from parity.points import Point, layer_graph, mtp_site, sites_for_config
 from parity.replay.records import Observation
 from parity.replay.session import Session
 
@@ -47,14 +47,16 @@ def _positions(s: Session, phase: str, step: int, T: int) -> np.ndarray:
 
 
 def _layer_observations(s: Session, phase: str, step: int, i: int, pts: dict, forced_pts: dict | None, bias,
-                        positions, res=None) -> Iterator[Observation]:
+                        positions, res=None, shadow: dict | None = None) -> Iterator[Observation]:
     tf = getattr(res, "transforms", None) or {}
     why = getattr(res, "missing", None) or {}
     for site in sites_for_config(s.config, i, recorded_inputs=True):
         pt = Point(phase, step, i, site)
         ref = _read(s, pt)
+        sh = None if shadow is None else {"dump": shadow["dump"].get(site), "intended": shadow["intended"].get(site),
+                                          "forks": shadow["forks"]}
         yield Observation(pt, ref, pts.get(site), s.mode, positions=positions, expert_bias=bias,
-                          transform=tf.get(site), why_absent=why.get(site))
+                          transform=tf.get(site), why_absent=why.get(site), shadow=sh)
         if forced_pts is not None and site in ROUTER_DOWNSTREAM:
             yield Observation(pt, ref, forced_pts.get(site), s.mode, forced=True, positions=positions,
                               expert_bias=bias, transform=tf.get(site))
@@ -77,6 +79,7 @@ def observe_layer(s: Session, i: int) -> Iterator[Observation]:
     forcing = s.mode == "forced"
     can_force = "forced_routing" in s.target.capabilities
     state = None
+    shadows = _load_shadows(s, i, hf)  # {which: [target or None, state]} where a semantic fork changes layer i
     try:
         for phase, step in s.steps():
             inp = Point(phase, step, i, "input")
@@ -97,9 +100,45 @@ def observe_layer(s: Session, i: int) -> Iterator[Observation]:
                 forced_pts = _points(s.call(f"layer {i} {phase} step {step}: layer_forward (forced routing)",
                                             s.target.layer_forward, i, hidden, positions, prev_state,
                                             forced_topk=ref_topk))
-            yield from _layer_observations(s, phase, step, i, pts, forced_pts, bias, positions, res)
+            shadow = _run_shadows(s, shadows, i, phase, step, hidden, positions, pts,
+                                  ref_topk if forcing else None)
+            yield from _layer_observations(s, phase, step, i, pts, forced_pts, bias, positions, res, shadow)
     finally:
         s.target.unload_layer(i)
+        for t, _ in (shadows or {}).values():
+            if t is not None:
+                t.unload_layer(i)
+
+
+def _load_shadows(s: Session, i: int, hf: dict) -> dict | None:
+    """Reference runs following the dump's and the intended semantics, for a layer a departing fork changes."""
+    if not s.forks_matter(i):
+        return None
+    out = {}
+    for which in ("dump", "intended"):
+        t = s.shadow(which)
+        if t is not None:
+            s.call(f"layer {i}: load_layer (reference, {which} semantics)", t.load_layer, i, hf)
+        out[which] = [t, None]
+    return out
+
+
+def _run_shadows(s: Session, shadows: dict | None, i: int, phase: str, step: int, hidden, positions, pts: dict,
+                 forced_topk) -> dict | None:
+    """The shadow references' points of this step (the session's target's own where it is that reference)."""
+    if shadows is None:
+        return None
+    out = {"forks": [d["fork"] for d in s.departures()]}
+    for which, slot in shadows.items():
+        t, st = slot
+        if t is None:
+            out[which] = pts
+            continue
+        r = s.call(f"layer {i} {phase} step {step}: layer_forward (reference, {which} semantics)", t.layer_forward,
+                   i, hidden, positions, st, forced_topk=forced_topk)
+        slot[1] = r.state
+        out[which] = _points(r, hidden)
+    return out
 
 
 def _ref_topk(s: Session, phase: str, step: int, i: int):
@@ -247,9 +286,102 @@ def _earlier_state(s: Session, site, i: int, history: list[tuple[str, int]]) -> 
     return out, None
 
 
-def observe(s: Session, layer: int | None) -> Iterator[Observation]:
-    """The observations of one layer (or of the model-level points when `layer` is None) in the session's mode.
-    `free` mode cannot be split by layer: it is `observe_free(session)`."""
+def mtp_unit(j: int) -> str:
+    """The replay unit (plugin `parity_layer`) of MTP layer j."""
+    return f"MTP{j}"
+
+
+def mtp_units(s: Session) -> list[str]:
+    """The replay units of the MTP layers the dump holds points of (none when it holds none: `coverage` says
+    whether that is a failure)."""
+    held = {m.mtp for m in s.dump.mtp_points()}
+    return [mtp_unit(j) for j in range(int(getattr(s.config, "num_nextn_predict_layers", 0) or 0)) if j in held]
+
+
+def _mtp_sites(s: Session) -> tuple[str, ...]:
+    from parity.mtp_points import mtp_sites
+
+    return mtp_sites(s.config, recorded_inputs=True)
+
+
+def observe_mtp(s: Session, j: int) -> Iterator[Observation]:
+    """MTP layer j (facts §2), teacher-forced like a main layer in `layer` mode: each step is fed the dumped
+    `MTP{j}/embed` and the main stack's dumped `model/final_norm` (the hidden state the official forward hands it),
+    keeps its own KV state across prefill and decode steps; the head is fed the dumped `MTP{j}/final_layernorm`. The
+    target's own shifted-id embedding is compared at `MTP{j}/embed`. Points: `Point(phase, step, None,
+    "MTP{j}/<site>")`. A target without the `mtp` capability has every MTP point skipped, saying so. In `forced`
+    mode (and where routing differs and the target can force it) as `observe_layer`."""
+    sites = _mtp_sites(s)
+    pt = lambda phase, step, site: Point(phase, step, None, f"MTP{j}/{site}")  # noqa: E731
+    if "mtp" not in s.target.capabilities or s.mode in ("isolated", "free"):
+        why = (f"target {s.target.name} lacks capability mtp (it cannot run the MTP layer)"
+               if "mtp" not in s.target.capabilities else
+               f"{s.mode} mode: MTP layers are replayed in layer/forced mode only")
+        for phase, step in s.steps():
+            for site in sites:
+                yield Observation(pt(phase, step, site), None, None, s.mode, skip=why)
+        return
+    cfg = s.config
+    i = cfg.num_hidden_layers + j
+    hf = s.ckpt.mtp_hf_tensors(j)
+    s.call("load_globals", s.target.load_globals, s.ckpt.hf_global_tensors())
+    s.call(f"MTP{j}: load_mtp", s.target.load_mtp, j, hf)
+    bias = _bias(hf, i)
+    forcing = s.mode == "forced"
+    can_force = "forced_routing" in s.target.capabilities
+    state = None
+    try:
+        for phase, step in s.steps():
+            where = f"MTP{j} {phase} step {step}"
+            emb_p, hid_p, out_p = (pt(phase, step, "embed"), Point(phase, step, None, "final_norm"),
+                                   pt(phase, step, "final_layernorm"))
+            emb_test = s.call(f"{where}: mtp_embed", s.target.mtp_embed, _tokens(s, phase, step))
+            if not (s.dump.has(emb_p) and s.dump.has(hid_p)):
+                miss = emb_p if not s.dump.has(emb_p) else hid_p
+                for site in sites:
+                    p = pt(phase, step, site)
+                    yield Observation(p, _read(s, p), emb_test if site == "embed" else None, s.mode,
+                                      skip=None if site == "embed" else f"its input {miss.key()} is not in the dump")
+                continue
+            emb, hidden = s.dump.read(emb_p), s.dump.read(hid_p)
+            positions = _positions(s, phase, step, hidden.shape[1])
+            ref_topk = _read(s, pt(phase, step, "mlp.gate.topk_idx"))
+            ref_topk = None if ref_topk is None else ref_topk.astype(np.int32)
+            prev_state = state
+            res = s.call(f"{where}: mtp_forward", s.target.mtp_forward, j, emb, hidden, positions, prev_state,
+                         forced_topk=ref_topk if forcing else None)
+            state = res.state
+            pts = dict(res.points, embed=emb_test)
+            pts.setdefault("final_layernorm", res.output)
+            if s.dump.has(out_p):
+                pts["logits"] = s.call(f"{where}: mtp_head", s.target.mtp_head, s.dump.read(out_p))
+            forced_pts = None
+            if (not forcing and ref_topk is not None and can_force
+                    and _routing_differs(pts.get("mlp.gate.topk_idx"), ref_topk)):
+                forced_pts = dict(s.call(f"{where}: mtp_forward (forced routing)", s.target.mtp_forward, j, emb,
+                                         hidden, positions, prev_state, forced_topk=ref_topk).points)
+            tf = getattr(res, "transforms", None) or {}
+            why = getattr(res, "missing", None) or {}
+            for site in sites:
+                p = pt(phase, step, site)
+                ref = _read(s, p)
+                yield Observation(p, ref, pts.get(site), s.mode, positions=positions, expert_bias=bias,
+                                  transform=tf.get(site), why_absent=why.get(site))
+                if forced_pts is not None and site in ROUTER_DOWNSTREAM:
+                    yield Observation(p, ref, forced_pts.get(site), s.mode, forced=True, positions=positions,
+                                      expert_bias=bias, transform=tf.get(site))
+    finally:
+        s.target.unload_mtp(j)
+
+
+def observe(s: Session, layer: int | str | None) -> Iterator[Observation]:
+    """The observations of one layer (or of the model-level points when `layer` is None, of MTP layer j when it is
+    `mtp_unit(j)`) in the session's mode. `free` mode cannot be split by layer: it is `observe_free(session)`."""
+    if isinstance(layer, str):
+        j = mtp_site(f"{layer}/x")
+        if j is None:
+            raise ValueError(f"replay unit {layer!r}: expected a layer index, None or MTP<j>")
+        return observe_mtp(s, j[0])
     if s.mode == "free":
         raise ValueError("free mode runs the whole model at once: use observe_free(session)")
     if layer is None:

@@ -103,6 +103,33 @@ class Target(abc.ABC):
         (positions 0..S-1). The default implementation supports no site."""
         return None
 
+    # ------------------------------------------------------------------ MTP layers (capability `mtp`)
+    # The MTP layer j (checkpoint layer N+j, facts §2; points `/prefill/MTP{j}/<site>`, parity.mtp_points) as the
+    # official forward runs it after the main stack. A target without the capability has its MTP points skipped.
+    def load_mtp(self, j: int, hf_tensors: dict[str, np.ndarray]) -> None:
+        """All `model.layers.{N+j}.*` tensors under their HF names (enorm, hnorm, eh_proj, final_layernorm and the
+        MLA + MoE block)."""
+        raise NotImplementedError(f"target {self.name} has no MTP layer (capability `mtp`)")
+
+    def unload_mtp(self, j: int) -> None:
+        """Release MTP layer j's weights."""
+
+    def mtp_embed(self, input_ids: np.ndarray) -> np.ndarray:
+        """[B,T] ids of a step -> [B,T,D]: the embedding of the MTP layer's own input ids, the step's ids shifted left
+        by one with 0 in the last position (the official forward's `roll_tensor`; a decode step thus embeds id 0)."""
+        raise NotImplementedError(f"target {self.name} has no MTP layer (capability `mtp`)")
+
+    def mtp_forward(self, j: int, embedded: np.ndarray, hidden: np.ndarray, positions: np.ndarray,
+                    state: Any = None, forced_topk: np.ndarray | None = None) -> LayerResult:
+        """MTP layer j on `embedded` (its input embedding, [B,T,D]) and `hidden` (the main stack's output after
+        model.norm, [B,T,D]) at absolute `positions`; `state` its own KV state from the previous call (None: start).
+        Points: the MTP sites of `parity.mtp_points` but `embed` / `logits`; output: the final_layernorm output."""
+        raise NotImplementedError(f"target {self.name} has no MTP layer (capability `mtp`)")
+
+    def mtp_head(self, out: np.ndarray) -> np.ndarray:
+        """lm_head on the MTP output (no model.norm in between, facts §2) -> [B,T,V] float32 logits."""
+        raise NotImplementedError(f"target {self.name} has no MTP layer (capability `mtp`)")
+
     # ------------------------------------------------------------------ protocol v2 (optional, with defaults)
     def use_checkpoint_dir(self, path, layers: list[int] | None = None) -> None:
         """The checkpoint directory the dump was made from (config.json + safetensors, HF names) and the layers the

@@ -19,10 +19,12 @@ DECODE_ROOM = 128
 class ReferenceTarget(Target):
     name = "reference"
     capabilities = frozenset({"q_lora", "swiglu_clamp", "absorbed_decode", "forced_routing", "kda_chunked",
-                              "kda_recurrent", "decode", "mesh", "isolated"})
+                              "kda_recurrent", "decode", "mesh", "isolated", "mtp"})
 
-    def __init__(self, *, clamp: bool = True, kda_mode: str = "auto", mla_absorbed: bool = True) -> None:
+    def __init__(self, *, clamp: bool = True, kda_mode: str = "auto", mla_absorbed: bool = True,
+                 kda_gate_dtype: str = "float32", kda_beta_dtype: str = "float32") -> None:
         self.clamp, self.kda_mode, self.mla_absorbed = clamp, kda_mode, mla_absorbed
+        self.kda_gate_dtype, self.kda_beta_dtype = kda_gate_dtype, kda_beta_dtype
         self.params: dict[int, Any] = {}
         self.globals: dict | None = None
 
@@ -50,7 +52,18 @@ class ReferenceTarget(Target):
         from parity.jax_ling3.spec import layer_spec
 
         return layer_spec(self.cfg, i, self.dtype, clamp=self.clamp, kda_mode=self.kda_mode,
-                          mla_absorbed=self.mla_absorbed)
+                          mla_absorbed=self.mla_absorbed, kda_gate_dtype=self.kda_gate_dtype,
+                          kda_beta_dtype=self.kda_beta_dtype)
+
+    # The semantic forks (parity/semantics.py) this instance follows: the replay sets them from the dump's recorded
+    # semantics (or the intended ones) on a reference it constructs itself.
+    follows_semantics = True
+
+    def semantic_options(self) -> dict:
+        return {"clamp": self.clamp, "kda_gate_dtype": self.kda_gate_dtype, "kda_beta_dtype": self.kda_beta_dtype}
+
+    def use_semantics(self, clamp: bool, kda_gate_dtype: str, kda_beta_dtype: str) -> None:
+        self.clamp, self.kda_gate_dtype, self.kda_beta_dtype = clamp, kda_gate_dtype, kda_beta_dtype
 
     def load_globals(self, hf_tensors: dict[str, np.ndarray]) -> None:
         from parity.jax_ling3.model import to_device
@@ -106,6 +119,58 @@ class ReferenceTarget(Target):
         fi = None if forced_topk is None else jnp.asarray(forced_topk, jnp.int32)
         out, pts, new_state = self._layer_fn()(self.params[i], h, jnp.asarray(positions, jnp.int32), spec, state, fi)
         return LayerResult(np.asarray(out), {k: np.asarray(v) for k, v in pts.items()}, new_state)
+
+    # ---------------------------------------------------------------- MTP layers (parity/jax_ling3/mtp.py)
+    def load_mtp(self, j: int, hf_tensors: dict[str, np.ndarray]) -> None:
+        import jax
+
+        from parity.jax_ling3.model import to_device
+        from parity.jax_ling3.weights import convert_mtp
+
+        put = jax.device_put if self._place is None else None
+        p = convert_mtp(self.cfg, j, hf_tensors, self.dtype, put=put)
+        self.params[("mtp", j)] = p if self._place is None else to_device(p, self._place)
+
+    def unload_mtp(self, j: int) -> None:
+        self.params.pop(("mtp", j), None)
+
+    def mtp_embed(self, input_ids: np.ndarray) -> np.ndarray:
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.model import embed_jit
+        from parity.jax_ling3.mtp import shift_ids
+
+        return np.asarray(embed_jit(self.globals["embed"], shift_ids(jnp.asarray(input_ids, jnp.int32))))
+
+    def mtp_forward(self, j: int, embedded: np.ndarray, hidden: np.ndarray, positions: np.ndarray,
+                    state: Any = None, forced_topk: np.ndarray | None = None) -> LayerResult:
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.mla import init_mla_cache
+        from parity.jax_ling3.spec import dtype_of
+
+        spec = self.spec(self.cfg.num_hidden_layers + j)  # MLA + MoE block (facts §2)
+        e, h = (jnp.asarray(a, dtype_of(self.dtype)) for a in (embedded, hidden))
+        if state is None:
+            state = init_mla_cache(h.shape[0], h.shape[1] + DECODE_ROOM, spec)
+        fi = None if forced_topk is None else jnp.asarray(forced_topk, jnp.int32)
+        out, pts, new_state = self._mtp_fn()(self.params[("mtp", j)], e, h, jnp.asarray(positions, jnp.int32), spec,
+                                             state, fi)
+        return LayerResult(np.asarray(out), {k: np.asarray(v) for k, v in pts.items()}, new_state)
+
+    def mtp_head(self, out: np.ndarray) -> np.ndarray:
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.mtp import mtp_logits_jit
+        from parity.jax_ling3.spec import dtype_of
+
+        return np.asarray(mtp_logits_jit(self.globals["lm_head"], jnp.asarray(out, dtype_of(self.dtype))))
+
+    def _mtp_fn(self):
+        """The jitted MTP layer function (a subclass may swap it, e.g. a mutant)."""
+        from parity.jax_ling3.mtp import mtp_layer_jit
+
+        return mtp_layer_jit
 
     def _layer_fn(self):
         """The jitted layer function `layer_forward` calls (a subclass may swap it, e.g. `mutants.MutantTarget`)."""

@@ -434,6 +434,9 @@ def dump_checkpoint(
         }
         map_name = runtime_map_name(model, "native" if opts.runtime == "native" else "remote")
         meta["capture_map"] = map_name
+        # how many MTP layers this dump set out to capture (0: the model has none, or --layers left them out): the
+        # replay's coverage rule owes exactly those (a runtime without them declares `MTP{j}/*` unavailable)
+        meta["mtp_captured"] = cfg.num_nextn_predict_layers if _mtp_capture(opts, cfg) else 0
 
         t1 = time.perf_counter()
         with DumpWriter(out_path, meta, force=opts.force, compression=opts.compression) as writer:
