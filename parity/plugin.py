@@ -192,12 +192,13 @@ class ParitySession:
 
         from parity.replay.watchdog import StallError
 
-        key = (entry.run, layer if entry.mode != "free" else "free")
+        whole = entry.mode == "free" and not isinstance(layer, str)  # free mode: one run of the main stack; MTP apart
+        key = (entry.run, "free" if whole else layer)
         if key in self.stalls:
             raise StallError(self.stalls[key])
         if key not in self.replays:
             s = self.session(entry)
-            obs = observe_free(s) if s.mode == "free" else observe(s, layer)
+            obs = observe_free(s) if whole else observe(s, layer)
             try:
                 recs = [r.to_json() for r in judge(s, obs)]
             except StallError as e:  # every test of this layer fails with the same line

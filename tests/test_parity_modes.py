@@ -51,3 +51,18 @@ def test_bad_mode_is_one_usage_error():
     r = _pytest("--parity-mode", "layer,bogus", "-q")
     assert r.returncode == 4 and "--parity-mode 'layer,bogus': expected one or more of layer" in r.stderr
     assert r.stderr.count("\n") < 5
+
+
+def test_mtp_points_in_every_mode_of_one_run(tmp_path):
+    """An MTP dump replayed in all four modes at once: MTP points compared in layer/forced, skipped with the reason in
+    isolated/free — never left without a record (that would fail as `missing`)."""
+    dump = ROOT / "dumps" / "tiny-flash-official-bf16.h5"
+    r = _pytest("--parity-dump", str(dump), "--parity-mode", "layer,forced,isolated,free", "-k", "MTP0", "-q", "-rs",
+                "--parity-report", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "free mode: MTP layers are replayed in layer/forced mode only" in r.stdout
+    for mode, compared in (("layer", True), ("forced", True), ("isolated", False), ("free", False)):
+        rep = json.loads((tmp_path / "tiny-flash-official-bf16" / mode / "report.json").read_text())
+        mtp = [p for p in rep["points"] if str(p["site"]).startswith("MTP0/")]
+        assert mtp and all(p["status"] != "missing" for p in mtp), mode
+        assert any(p["status"] == "pass" for p in mtp) == compared, mode
