@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Iterable
 
-from parity.points import Point, point_inputs, sites_for_config
+from parity.points import Point, mtp_site, point_inputs, sites_for_config
 
 SCHEMA = "ling3-parity-report"
 VERSION = 1
@@ -21,6 +21,11 @@ FAILING = ("fail",)
 
 
 def _site_rank(cfg, layer: int | None, site: str) -> int:
+    if layer is None and (m := mtp_site(site)) is not None:  # an MTP layer's site: its execution order
+        from parity.mtp_points import mtp_sites
+
+        order = mtp_sites(cfg, recorded_inputs=True)
+        return order.index(m[1]) if m[1] in order else len(order)
     if layer is None:
         return {"embed": 0, "final_norm": 1, "logits": 2}.get(site, 3)
     sites = sites_for_config(cfg, layer)
@@ -34,7 +39,9 @@ def _site_rank(cfg, layer: int | None, site: str) -> int:
 def order_key(cfg, rec: dict) -> tuple:
     """Execution order (DESIGN §6): phase, step, layer (embed first, final_norm/logits last), site order of §3."""
     layer = rec.get("layer")
-    if layer is None:
+    if layer is None and (m := mtp_site(rec["site"])) is not None:
+        lay = 10**6 + 1 + m[0]  # MTP layers run after the main stack's head, in order
+    elif layer is None:
         lay = -1 if rec["site"] == "embed" else 10**6
     else:
         lay = layer
