@@ -9,6 +9,12 @@ compared on the fp32 grid it was computed on (it was rounded to bf16 first), the
 and carry the per-element safety bound (new fields), and reports carry `target_info` (protocol v2). So: the same
 points, the same verdicts, and on every point whose comparison grid did not change the same floor-independent
 statistics; the points whose grid changed are exactly the fp32 tensors.
+
+The statistics are bits of the JAX target's outputs, which depend on the CPU XLA:CPU compiles for (its vector ISA
+picks the dot and reduction kernels): the pin was written on an Intel Xeon with AVX-512 (`parity.golden.machine_kind()`
+"GenuineIntel/AVX512"); on an AVX2-only AMD EPYC (2026-11-25) the same code gives, e.g., `prefill/L02/attention.core`
+frac_exact 0.998125 vs the pin's 0.99796875 (rel-L2 equal to 6 digits). So points and verdicts are checked on every
+CPU, the statistics on the pin's CPU kind only (skipped elsewhere, saying so).
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from parity.golden import machine_kind
 from parity.replay import run_replay
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,10 +44,31 @@ FLOOR_INDEPENDENT = ("status", "max_abs_diff", "max_abs_index", "rel_l2", "cosin
                      "forced_routing", "nan_inf_mismatches", "shape", "n")
 
 
-def test_report_identical_to_before_the_refactor():
+PIN_CPU = "GenuineIntel/AVX512"  # machine_kind() of the session that wrote the pin (before any oneDNN cap suffix)
+
+
+@pytest.fixture(scope="module")
+def reports():
     rep = run_replay(ROOT / "dumps" / "tiny-flash-bf16.h5", layers=[2, 5])
     rep["dump"] = "dumps/tiny-flash-bf16.h5"
-    got, want = _strip(json.loads(json.dumps(rep, default=str))), _strip(json.loads(EXPECTED.read_text()))
+    return _strip(json.loads(json.dumps(rep, default=str))), _strip(json.loads(EXPECTED.read_text()))
+
+
+def test_report_statistics_identical_to_before_the_refactor(reports):
+    got, want = reports
+    kind = "/".join(machine_kind().split("/")[:2])
+    if kind != PIN_CPU:
+        pytest.skip(f"the pin's statistics are JAX output bits of a {PIN_CPU} CPU; this CPU is {kind} (XLA:CPU picks "
+                    f"other kernels): its points and verdicts are checked by test_report_identical_to_before_the_"
+                    f"refactor")
+    for g, w in zip(got["points"], want["points"]):
+        if g.get("dtype") == w.get("dtype"):
+            assert {k: g.get(k) for k in FLOOR_INDEPENDENT if k in w} == \
+                {k: w[k] for k in FLOOR_INDEPENDENT if k in w}, (g["phase"], g["step"], g["layer"], g["site"])
+
+
+def test_report_identical_to_before_the_refactor(reports):
+    got, want = reports
     # added keys since the pin: `target_info` (issue 16), `semantics` (issue 13; this dump records none: intended)
     assert set(got) - set(want) <= {"target_info", "semantics"} and set(want) <= set(got)
     assert got["semantics"]["departures"] == [] and got["semantics"]["explained_points"] == 0
@@ -51,10 +81,7 @@ def test_report_identical_to_before_the_refactor():
     for g, w in zip(got["points"], want["points"]):
         where = (g["phase"], g["step"], g["layer"], g["site"])
         assert g["status"] == w["status"], where
-        if g.get("dtype") == w.get("dtype"):
-            assert {k: g.get(k) for k in FLOOR_INDEPENDENT if k in w} == \
-                {k: w[k] for k in FLOOR_INDEPENDENT if k in w}, where
-        else:  # compared on its own fp32 grid now, on the bf16 grid before
+        if g.get("dtype") != w.get("dtype"):  # compared on its own fp32 grid now, on the bf16 grid before
             assert (w.get("dtype"), g.get("dtype")) == ("bfloat16", "float32"), where
             regridded += 1
     assert regridded > 0  # the tiny-flash bf16 run has fp32 tensors (KDA gate, beta, state, router logits)

@@ -672,7 +672,12 @@ class MutantTarget(ReferenceTarget):
                 with patched(patches):
                     return reference._isolated(p, x, st, site, spec)
 
-            self._iso_jit = jax.jit(mutated_site, static_argnames=("site", "spec"))
+            from parity.jax_ling3 import REFERENCE_COMPILER_OPTIONS
+
+            # the reference's own compiler options: without them XLA:CPU may keep a norm's fp32 intermediate across a
+            # bf16 rounding (excess precision) and the mutant differs from the reference at sites the bug never touches
+            self._iso_jit = jax.jit(mutated_site, static_argnames=("site", "spec"),
+                                    compiler_options=REFERENCE_COMPILER_OPTIONS)
         return self._iso_jit
 
 
