@@ -14,7 +14,9 @@ reference's dtype = the precision the tensor was computed in; both sides rounded
     (the fp32 tier) — every element outside the floor has |a - b| ≤ atol + rtol·|ref| (elementwise, as
     torch.testing.assert_close; rtol/atol off count as 0), and — if the rule has `bound_rms` — every finite element
     outside the floor has |a - b| ≤ bound_rms · RMS of its reference row: the per-element safety bound, which
-    `allowed_fraction` never relaxes (so a few elements of finite garbage fail; reasoning: parity.numerics.bounds).
+    `allowed_fraction` never relaxes (so a few elements of finite garbage fail; reasoning: parity.numerics.bounds),
+    and — if the rule has `inexact_row_rate` p0 (isolated mode) — the r rows holding any non-bit-identical element are
+    not less likely than exactness.ALPHA under Binomial(rows, p0) (the exactness test: parity.numerics.exactness).
 Statistics: `max_ulp`, `p50/p99/p999_ulp` are effective (after the floor) — the numbers the rule judges;
 `max_diff_rms` = the largest |a - b| / RMS(reference row) of any finite element (the smallest `bound_rms` that passes;
 inf where a row with RMS 0 has a difference);
@@ -34,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from parity.errors import ParityError
+from parity.numerics import exactness
 from parity.numerics.tolerances import ToleranceRule
 from parity.numerics.ulp import DTYPE_NAMES, FINITE, dtype_name, ordered_int, to_dtype, ulp_of, value_class
 
@@ -89,6 +92,9 @@ class Verdict:
     first_nan_inf_ref: float | None
     first_nan_inf_test: float | None
     rule: dict
+    rows: int | None  # rows (last axis) of the comparison
+    inexact_rows: int | None  # rows with any element whose bits differ (valid elements)
+    exactness_p: float | None  # P(≥ inexact_rows | rows, rule's inexact_row_rate); None without that rate
     min_passing_max_ulps: int | None  # smallest max_ulps that passes the fraction criterion
     min_passing_hard_ulps: int | None  # smallest hard_ulps that passes (= max_ulp)
 
@@ -123,6 +129,10 @@ class Verdict:
             lines.append(f"Elements beyond the per-element safety bound |Δ| ≤ {r['bound_rms']:g}×row RMS: "
                          f"{self.n_bound} / {self.n}; furthest at index {self.bound_index} (|Δ| = "
                          f"{_g(self.max_diff_rms, 4)}×row RMS, ref {_g(self.bound_ref)}, test {_g(self.bound_test)})")
+        if self.exactness_p is not None and self.inexact_rows:
+            lines.append(f"Rows not bit-identical: {self.inexact_rows} / {self.rows}; a correct implementation "
+                         f"(rate ≤ {r['inexact_row_rate']:.2g} per row) gives so many with probability "
+                         f"{self.exactness_p:.3g} (fails below {exactness.ALPHA:g})")
         if self.nan_inf_mismatches:
             lines.append(f"NaN/Inf mismatches: {self.nan_inf_mismatches}, first at index {self.first_nan_inf_index} "
                          f"(ref {_g(self.first_nan_inf_ref)}, test {_g(self.first_nan_inf_test)})")
@@ -163,6 +173,10 @@ class Verdict:
         if self.n_bound:
             need.append(f"bound_rms ≥ {self.max_diff_rms:.3g} — the per-element safety bound "
                         f"({r['bound_rms']:g}×row RMS) that no correct implementation is expected to exceed")
+        if self.exactness_p is not None and self.exactness_p < exactness.ALPHA:
+            need.append(f"inexact_row_rate ≥ {exactness.rate_that_passes(self.inexact_rows, self.rows):.3g} — "
+                        f"{self.inexact_rows} of {self.rows} rows are not bit-identical, where a correct "
+                        f"implementation leaves a row inexact at a rate ≤ {r['inexact_row_rate']:.2g}")
         if not need:
             return []
         return ["Would pass only with all of:"] + [f"  - {x}" for x in need]
@@ -248,7 +262,8 @@ def _compare_exact(ref: np.ndarray, test: np.ndarray, rule: ToleranceRule, name:
         worst_ref=float(ref.ravel()[worst]) if worst is not None else None,
         worst_test=float(test.ravel()[worst]) if worst is not None else None,
         nan_inf_mismatches=0, first_nan_inf_index=None, first_nan_inf_ref=None, first_nan_inf_test=None,
-        rule=rule.to_dict(), min_passing_max_ulps=None, min_passing_hard_ulps=None)
+        rule=rule.to_dict(), rows=None, inexact_rows=None, exactness_p=None, min_passing_max_ulps=None,
+        min_passing_hard_ulps=None)
 
 
 def percentile_rank(q: str, m: int) -> int:
@@ -316,7 +331,10 @@ def _compare_float(r: np.ndarray, t: np.ndarray, rule: ToleranceRule, name: str,
         if n_bound:
             bound_at = int(np.argmax(np.where(beyond, ratio, -1.0)))
     n_mism = int(mism.sum())
-    passed = n_mism == 0 and n_over <= allowed and n_hard == 0 and n_tol_fail == 0 and n_bound == 0
+    n_rows, n_inexact = exactness.inexact_rows(np.where(valid, raw, 0), np.zeros_like(raw)) if n else (0, 0)
+    p_exact = exactness.tail(n_inexact, n_rows, rule.inexact_row_rate) if rule.inexact_row_rate is not None else None
+    passed = (n_mism == 0 and n_over <= allowed and n_hard == 0 and n_tol_fail == 0 and n_bound == 0
+              and (p_exact is None or p_exact >= exactness.ALPHA))
 
     # statistics
     e_valid = eff[valid]
@@ -378,4 +396,4 @@ def _compare_float(r: np.ndarray, t: np.ndarray, rule: ToleranceRule, name: str,
         first_nan_inf_index=_index(first_bad, shape) if first_bad is not None else None,
         first_nan_inf_ref=float(r.astype(np.float64).ravel()[first_bad]) if first_bad is not None else None,
         first_nan_inf_test=float(t.astype(np.float64).ravel()[first_bad]) if first_bad is not None else None,
-        rule=rule.to_dict(), **stats)
+        rule=rule.to_dict(), rows=n_rows, inexact_rows=n_inexact, exactness_p=p_exact, **stats)

@@ -1,0 +1,125 @@
+"""Corpus of the isolated-mode exactness test (parity.numerics.exactness): correct replays of fresh random checkpoints,
+counting per point the rows that are not bit-identical, then one `inexact_row_rate` per site class.
+
+Corpus (tools/exactness.py): seeds alternate the presets as the no-false-alarm sweep does (odd: tiny, q-LoRA;
+even: tiny-flash, clamp), each dumped by the twin in bf16 at every prompt length (≤ 64 tokens: the recurrent KDA
+path, > 64: the chunked one) with decode steps, and replayed by the reference target in isolated mode. Only bf16
+tensors of bf16 runs get a rate: fp32 tensors of those runs (KDA gate/beta/state, router logits) are compared on the
+fp32 grid, where a correct implementation is rarely bit-identical at all.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from parity.numerics import exactness
+from parity.numerics.compare import comparison_grid
+from parity.numerics.ulp import to_dtype
+from parity.points import site_class
+
+MIN_POINTS = 20  # a class with fewer corpus points gets no rate (no criterion rather than a guessed one)
+MAX_RATE = 0.5  # a class whose correct rows are inexact this often gains nothing from the test: left off
+
+
+def preset_of(seed: int) -> str:
+    return "tiny" if seed % 2 else "tiny-flash"
+
+
+def replay_rows(dump: Path, ckpt: Path, label: str) -> list[dict]:
+    """One record per bf16 point of an isolated replay of `dump` by the reference target: label, site, class, rows,
+    inexact rows."""
+    import numpy as np
+
+    from parity.replay.session import Session
+    from parity.replay.strategies import observe
+
+    out = []
+    with Session.open(dump, ckpt, mode="isolated") as s:
+        for layer in [None] + list(s.layers()):
+            for ob in observe(s, layer):
+                if ob.ref is None or ob.test is None or ob.skip or np.asarray(ob.ref).dtype.name != "bfloat16":
+                    continue
+                ref, test = np.asarray(ob.ref), np.asarray(ob.test)
+                if ref.shape != test.shape or not ref.size:
+                    continue
+                grid = comparison_grid(ref.dtype)
+                last = ref.shape[-1] if ref.ndim else 1
+                r = to_dtype(ref, grid).astype(np.float32).reshape(-1, last)
+                t = to_dtype(test, grid).astype(np.float32).reshape(-1, last)
+                rows, bad = exactness.inexact_rows(r, t)
+                out.append({"point": f"{label}:{ob.point.key()}", "site": ob.point.site,
+                            "class": site_class(ob.point.site), "rows": rows, "inexact": bad})
+    return out
+
+
+def build_corpus(workdir: Path, seeds: Sequence[int], prompt_lens: Sequence[int], decode_steps: int,
+                 log: Callable[[str], None] = print) -> list[dict]:
+    from parity.config import Ling3Config
+    from parity.torch_ref.ckpt import make_checkpoint
+    from parity.torch_ref.dump import DumpOptions, dump_checkpoint
+    from parity.torch_ref.prompts import builtin_ids
+
+    records: list[dict] = []
+    for seed in seeds:
+        preset = preset_of(seed)
+        ckpt = make_checkpoint(workdir / f"{preset}-s{seed}", preset, seed=seed, dtype="bfloat16", force=True)
+        cfg = Ling3Config.from_pretrained_dir(ckpt, strict=False)
+        for T in prompt_lens:
+            dump = workdir / f"{preset}-s{seed}-T{T}-bf16.h5"
+            if dump.exists():
+                dump.unlink()
+            dump_checkpoint(ckpt, dump, builtin_ids(cfg.vocab_size, T, seed),
+                            DumpOptions(dtype="bfloat16", decode_steps=decode_steps, progress=False, seed=seed))
+            recs = replay_rows(dump, ckpt, f"{preset}/s{seed}/T{T}")
+            log(f"{preset} seed {seed} T={T}: {len(recs)} points, {sum(r['inexact'] for r in recs)} inexact rows of "
+                f"{sum(r['rows'] for r in recs)}")
+            records += recs
+    return records
+
+
+def derive_rates(records: Iterable[dict]) -> dict[str, tuple[exactness.RateDerivation | None, list[str]]]:
+    """class -> (derivation or None when the class gets no rate, its sites)."""
+    by: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        by[r["class"]].append(r)
+    out = {}
+    for cls, recs in sorted(by.items()):
+        sites = sorted({r["site"] for r in recs})
+        d = exactness.derive_rate((r["point"], r["rows"], r["inexact"]) for r in recs)
+        out[cls] = (d if len(recs) >= MIN_POINTS and d.rate < MAX_RATE else None, sites)
+    return out
+
+
+def rates_toml(rates: dict, header: str) -> str:
+    lines = [header.rstrip(), "", 'schema = "ling3-parity-tolerances"', "version = 1", ""]
+    for cls, (d, sites) in rates.items():
+        if d is None:
+            lines.append(f"# {cls}: no rate (fewer than {MIN_POINTS} corpus points, or correct rows inexact at a "
+                         f"rate ≥ {MAX_RATE}): {', '.join(sites)}")
+            lines.append("")
+            continue
+        why = (f"pooled {d.inexact}/{d.rows} rows over {d.points} points, {exactness.CONFIDENCE:g} upper bound "
+               f"{d.pooled_bound:.3g}")
+        if d.worst_point:
+            why += f"; raised so that {d.worst_point} ({d.worst_r} of {d.worst_rows} rows) has tail ≥ " \
+                   f"{exactness.CORPUS_TAIL:g}"
+        lines.append(f"# {cls}: {why}")
+        for site in sites:
+            lines += ["[[rule]]", f'site = "{site}"', 'mode = "isolated"', 'dtype = "bfloat16"',
+                      'compute = "bfloat16"', f"inexact_row_rate = {exactness.nice_rate(d.rate):.2g}",
+                      f'note = "exactness rate: {cls}, isolated"', ""]
+    return "\n".join(lines) + "\n"
+
+
+def save_corpus(records: list[dict], path: Path) -> None:
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        json.dump(records, f)
+
+
+def load_corpus(path: Path) -> list[dict]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return json.load(f)
