@@ -142,7 +142,14 @@ def test_official_dump_is_complete_and_equals_the_twin(ckpts, tmp_path, preset, 
 
 @needs_official
 def test_official_equals_native_where_native_supports_the_shape(ckpts, tmp_path):
-    """Flash-shaped (no q-LoRA) with the clamp lists removed (the built-in has none), fp32, 100 tokens."""
+    """Flash-shaped (no q-LoRA) with the clamp lists removed (the built-in has none), fp32, 100 tokens.
+
+    Both run free (each on its own hidden states), so fp32 summation-order noise compounds over the 8 layers and is
+    largest on one-token decode tensors (64 elements). Measured worst rel-L2: AVX-512 machines ~3e-6 at 100 tokens
+    (2.3e-5 at 40 tokens, decode/S001/L05); AMD EPYC without AVX-512 (2026-11-25) 2.84e-5 at decode/S001/L04
+    attention.o_proj, 71 of 486 points above 1e-5, the residual stream (layer outputs) ≤ 1.35e-5. Bounds: the
+    residual stream within 2e-5 (the fp32 tier, as tests/test_twin_vs_builtin.py), every point within 1e-4; a port-
+    level bug (a wrong RoPE, gate or norm) moves points by ≥ 1e-3."""
     off = tmp_path / "off"
     shutil.copytree(ckpts["tiny-flash"][0], off)
     cfg = json.loads((off / "config.json").read_text())
@@ -153,7 +160,7 @@ def test_official_equals_native_where_native_supports_the_shape(ckpts, tmp_path)
         assert b.unavailable().get("MTP0/*", "").startswith("the native runtime has no MTP layer")
         shared = set(a.points()) & set(b.points())
         assert len(shared) > 300
-        worst = (0.0, "")
+        worst, worst_stream = (0.0, ""), (0.0, "")
         for p in shared:
             x, y = a.read(p), b.read(p)
             assert x.shape == y.shape, p.key()
@@ -161,8 +168,12 @@ def test_official_equals_native_where_native_supports_the_shape(ckpts, tmp_path)
                 assert np.array_equal(x, y), p.key()
                 continue
             x, y = x.astype(np.float64), y.astype(np.float64)
-            worst = max(worst, (float(np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30)), p.key()))
-        assert worst[0] < 2e-5, worst  # measured ~3e-6 (summation order), as twin vs native
+            rel = (float(np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30)), p.key())
+            worst = max(worst, rel)
+            if p.site in ("output", "logits"):
+                worst_stream = max(worst_stream, rel)
+        assert worst_stream[1] and worst_stream[0] < 2e-5, worst_stream
+        assert worst[0] < 1e-4, worst
 
 
 @needs_official

@@ -47,19 +47,24 @@ def _positions(s: Session, phase: str, step: int, T: int) -> np.ndarray:
 
 
 def _layer_observations(s: Session, phase: str, step: int, i: int, pts: dict, forced_pts: dict | None, bias,
-                        positions, res=None, shadow: dict | None = None) -> Iterator[Observation]:
+                        positions, res=None, shadow: dict | None = None,
+                        forced_shadow: dict | None = None) -> Iterator[Observation]:
     tf = getattr(res, "transforms", None) or {}
     why = getattr(res, "missing", None) or {}
     for site in sites_for_config(s.config, i, recorded_inputs=True):
         pt = Point(phase, step, i, site)
         ref = _read(s, pt)
-        sh = None if shadow is None else {"dump": shadow["dump"].get(site), "intended": shadow["intended"].get(site),
-                                          "forks": shadow["forks"]}
         yield Observation(pt, ref, pts.get(site), s.mode, positions=positions, expert_bias=bias,
-                          transform=tf.get(site), why_absent=why.get(site), shadow=sh)
+                          transform=tf.get(site), why_absent=why.get(site), shadow=_shadow_of(shadow, site))
         if forced_pts is not None and site in ROUTER_DOWNSTREAM:
             yield Observation(pt, ref, forced_pts.get(site), s.mode, forced=True, positions=positions,
-                              expert_bias=bias, transform=tf.get(site))
+                              expert_bias=bias, transform=tf.get(site), shadow=_shadow_of(forced_shadow, site))
+
+
+def _shadow_of(shadow: dict | None, site: str) -> dict | None:
+    if shadow is None:
+        return None
+    return {"dump": shadow["dump"].get(site), "intended": shadow["intended"].get(site), "forks": shadow["forks"]}
 
 
 def _points(res, hidden=None) -> dict:
@@ -100,9 +105,16 @@ def observe_layer(s: Session, i: int) -> Iterator[Observation]:
                 forced_pts = _points(s.call(f"layer {i} {phase} step {step}: layer_forward (forced routing)",
                                             s.target.layer_forward, i, hidden, positions, prev_state,
                                             forced_topk=ref_topk))
+            shadow_states = {w: slot[1] for w, slot in shadows.items()} if shadows else None
             shadow = _run_shadows(s, shadows, i, phase, step, hidden, positions, pts,
                                   ref_topk if forcing else None)
-            yield from _layer_observations(s, phase, step, i, pts, forced_pts, bias, positions, res, shadow)
+            # where the plain run's routing differed, the router's downstream points are judged on the forced run:
+            # their semantic shadows must be forced to the same experts (else a near-tie the shadows break the other
+            # way turns a semantic difference into a failure)
+            forced_shadow = None if forced_pts is None else _run_shadows(
+                s, shadows, i, phase, step, hidden, positions, forced_pts, ref_topk, states=shadow_states)
+            yield from _layer_observations(s, phase, step, i, pts, forced_pts, bias, positions, res, shadow,
+                                           forced_shadow)
     finally:
         s.target.unload_layer(i)
         for t, _ in (shadows or {}).values():
@@ -124,8 +136,10 @@ def _load_shadows(s: Session, i: int, hf: dict) -> dict | None:
 
 
 def _run_shadows(s: Session, shadows: dict | None, i: int, phase: str, step: int, hidden, positions, pts: dict,
-                 forced_topk) -> dict | None:
-    """The shadow references' points of this step (the session's target's own where it is that reference)."""
+                 forced_topk, states: dict | None = None) -> dict | None:
+    """The shadow references' points of this step (the session's target's own where it is that reference). With
+    `states` (each shadow's state before this step) it is a re-run — forced to the reference's experts beside a
+    plain run — that leaves the shadows' carried state alone (attention state does not depend on routing)."""
     if shadows is None:
         return None
     out = {"forks": [d["fork"] for d in s.departures()]}
@@ -135,8 +149,9 @@ def _run_shadows(s: Session, shadows: dict | None, i: int, phase: str, step: int
             out[which] = pts
             continue
         r = s.call(f"layer {i} {phase} step {step}: layer_forward (reference, {which} semantics)", t.layer_forward,
-                   i, hidden, positions, st, forced_topk=forced_topk)
-        slot[1] = r.state
+                   i, hidden, positions, st if states is None else states[which], forced_topk=forced_topk)
+        if states is None:
+            slot[1] = r.state
         out[which] = _points(r, hidden)
     return out
 
