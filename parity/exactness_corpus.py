@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from parity.numerics import exactness
-from parity.numerics.compare import comparison_grid
-from parity.numerics.ulp import to_dtype
+from parity.numerics.compare import compare
+from parity.numerics.tolerances import ToleranceRule
 from parity.points import site_class
 
 MIN_POINTS = 20  # a class with fewer corpus points gets no rate (no criterion rather than a guessed one)
 MAX_RATE = 0.5  # a class whose correct rows are inexact this often gains nothing from the test: left off
+ROW_COUNT_RULE = ToleranceRule(floor_ulps=0, max_ulps=0, allowed_fraction=1.0, hard_ulps=None)  # only the row counts
 
 
 def preset_of(seed: int) -> str:
@@ -46,13 +47,9 @@ def replay_rows(dump: Path, ckpt: Path, label: str) -> list[dict]:
                 ref, test = np.asarray(ob.ref), np.asarray(ob.test)
                 if ref.shape != test.shape or not ref.size:
                     continue
-                grid = comparison_grid(ref.dtype)
-                last = ref.shape[-1] if ref.ndim else 1
-                r = to_dtype(ref, grid).astype(np.float32).reshape(-1, last)
-                t = to_dtype(test, grid).astype(np.float32).reshape(-1, last)
-                rows, bad = exactness.inexact_rows(r, t)
+                v = compare(ref, test, ROW_COUNT_RULE)  # counts the rows as the exactness test will
                 out.append({"point": f"{label}:{ob.point.key()}", "site": ob.point.site,
-                            "class": site_class(ob.point.site), "rows": rows, "inexact": bad})
+                            "class": site_class(ob.point.site), "rows": v.rows, "inexact": v.inexact_rows})
     return out
 
 

@@ -40,11 +40,11 @@ def test_rows_count_once_however_many_elements_differ():
     test = ref.copy()
     test[1, :] = 1.0  # a whole row
     test[3, 2] = 1.0  # one element
-    assert exactness.inexact_rows(ref, test) == (4, 2)
+    test[2, 0] = -0.0  # ±0 are equal
+    v = compare(ref, test, _rule(None))
+    assert (v.rows, v.inexact_rows) == (4, 2)
     nan = np.full((2, 2), np.nan, np.float32)
-    assert exactness.inexact_rows(nan, nan.copy()) == (2, 0)  # matching NaN classes are equal
-    with pytest.raises(ValueError, match="rows, last"):
-        exactness.inexact_rows(ref.ravel(), test.ravel())
+    assert compare(nan, nan.copy(), _rule(None)).inexact_rows == 0  # matching NaN classes are equal
 
 
 def _rule(rate):

@@ -331,7 +331,8 @@ def _compare_float(r: np.ndarray, t: np.ndarray, rule: ToleranceRule, name: str,
         if n_bound:
             bound_at = int(np.argmax(np.where(beyond, ratio, -1.0)))
     n_mism = int(mism.sum())
-    n_rows, n_inexact = exactness.inexact_rows(np.where(valid, raw, 0), np.zeros_like(raw)) if n else (0, 0)
+    n_rows = rows[0]
+    n_inexact = int((valid & (raw != 0)).any(axis=-1).sum()) if n else 0  # rows with any bit-different element
     p_exact = exactness.tail(n_inexact, n_rows, rule.inexact_row_rate) if rule.inexact_row_rate is not None else None
     passed = (n_mism == 0 and n_over <= allowed and n_hard == 0 and n_tol_fail == 0 and n_bound == 0
               and (p_exact is None or p_exact >= exactness.ALPHA))

@@ -9,7 +9,9 @@ element-fraction attempt raised a false alarm on 3 elements of one post_attentio
 (an epsilon 1e-6 → 1e-5 in a norm, a bf16 accumulation of the MoE combine) moves *every* row by a small amount, so it
 flips elements in many rows. Counting rows with any non-bit-identical element, r of R, and asking how unlikely r is
 for a correct implementation whose rows are inexact with probability p0 (the binomial tail P(X ≥ r), X ~ Bin(R, p0))
-gives one criterion for small and large tensors alike: a point fails when that tail is below `ALPHA`.
+gives one criterion for small and large tensors alike: a point fails when that tail is below `ALPHA`. Rows are the
+last axis, as for the floor; `parity.numerics.compare` counts them (a row with any element whose bits differ, ±0
+equal, matching NaN/Inf classes equal) and applies the test.
 
 p0 (`inexact_row_rate` of a tolerance rule) is calibrated per site class from a corpus of correct replays
 (`tools/exactness.py`, `derive_rate`): the pooled rate's one-sided upper confidence bound, raised until no corpus
@@ -22,23 +24,11 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-import numpy as np
 from scipy import stats
 
 ALPHA = 1e-6  # a point fails when P(X ≥ r | R, p0) < ALPHA: ~1 false alarm in 10^6 points if p0 is right
 CORPUS_TAIL = 1e-3  # every corpus point must have tail ≥ this under the derived p0 (3 decades above ALPHA)
 CONFIDENCE = 0.999  # one-sided upper confidence bound of the pooled rate
-
-
-def inexact_rows(ref: np.ndarray, test: np.ndarray, valid: np.ndarray | None = None) -> tuple[int, int]:
-    """(rows, rows with any element whose bits differ) of two arrays already on one grid, shaped [rows, last]
-    (±0 equal, and matching NaN/Inf classes equal when `valid` masks the class mismatches out)."""
-    if ref.ndim != 2 or ref.shape != test.shape:
-        raise ValueError(f"inexact_rows: expected two [rows, last] arrays of one shape, got {ref.shape}, {test.shape}")
-    same = (ref == test) | (np.isnan(ref) & np.isnan(test))
-    if valid is not None:
-        same |= ~valid
-    return int(ref.shape[0]), int((~same).any(axis=-1).sum())
 
 
 def tail(r: int, rows: int, p0: float) -> float:
