@@ -4,13 +4,12 @@ scratch goes back to the OS instead of staying in glibc's heap (it kept ~50 MB a
 
 from __future__ import annotations
 
-import ctypes.util
 import os
 
 import numpy as np
 import pytest
 
-from parity.targets.reference import release_freed_heap
+from parity.targets.reference import _malloc_trim, release_freed_heap
 
 
 def _rss_mb() -> float:
@@ -18,8 +17,8 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/statm") or not ctypes.util.find_library("c"),
-                    reason="needs Linux /proc and a C library to measure and trim")
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm") or _malloc_trim() is None,
+                    reason="needs Linux /proc to measure and glibc's malloc_trim")
 def test_freed_fragmented_heap_is_returned():
     # 64 KiB blocks stay below glibc's mmap threshold, so they live in the heap; freeing every other one leaves
     # 24 MiB of free memory between live blocks, which free() alone does not return

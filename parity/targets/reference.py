@@ -6,6 +6,7 @@ It is also the template for an external adapter: convert HF tensors in `load_lay
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Any
 
@@ -22,14 +23,14 @@ COMPILED_KEEP = 64  # executables kept (least recently used dropped): a replay u
 
 
 def compiled_call(fn, spec, *args):
-    """`fn(args[0], args[1], args[2], spec, *args[3:])` for a jitted layer function with static `spec`, compiled ahead
-    of time once per (fn, spec, argument shapes/dtypes/shardings) and the host memory freed between compiling and running.
+    """`fn(args[0], args[1], args[2], spec, *args[3:])` for a jitted layer function with static `spec`, compiled
+    ahead of time once per (fn, spec, argument shapes/dtypes/shardings), the host memory freed before it runs.
 
     Why not a plain jit call: its first call traces, lowers, compiles (or loads from the persistent cache) and runs in
     one go, so the freed lowering / deserialisation scratch is still held by the allocator while the layer's
     temporaries are live. Compiling first and then calling `release_freed_heap` lowered the peak RSS of a Ling3-Tiny
-    KDA+dense layer at T=512 (cache warm) from 246-253 to 220 MB above the process base (weights + activations 124 MB;
-    tools/bench.py's JAX child, this machine, 2026-11-25). Same executable, same bits."""
+    KDA+dense layer at T=512 (cache warm) from 251-266 to 244-245 MB above the process base (weights + activations
+    124 MB; tools/bench.py's JAX child, AMD EPYC, 2026-11-25). Same executable, same bits."""
     import jax
 
     leaves, tree = jax.tree_util.tree_flatten(args)
@@ -53,17 +54,20 @@ def release_freed_heap() -> None:
     Converting a layer frees one numpy temporary per weight (transposes, the expert stacks); glibc keeps such freed
     heap memory in the process, so one-layer replay held ~50 MB more than the layer's weights after loading a
     Ling3-Tiny KDA+dense layer (77 MB of weights; measured with tools/bench.py's JAX child)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = getattr(libc, "malloc_trim", None)
-    except OSError:
-        trim = None
+    trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's malloc_trim from the running process's own symbols (no `find_library`: it spawns ldconfig), or None."""
+    import ctypes
+
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
 
 
 class ReferenceTarget(Target):
