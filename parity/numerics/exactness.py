@@ -39,14 +39,11 @@ def tail(r: int, rows: int, p0: float) -> float:
 
 
 def rate_that_passes(r: int, rows: int, alpha: float = ALPHA) -> float:
-    """The smallest p0 under which r inexact rows of `rows` are not below `alpha` (the 'would pass with' number)."""
+    """The smallest p0 under which r inexact rows of `rows` are not below `alpha` (the 'would pass with' number):
+    P(X ≥ r) for X ~ Bin(rows, p) is the regularised incomplete beta I_p(r, rows - r + 1), so p = its inverse."""
     if r <= 0:
         return 0.0
-    lo, hi = 0.0, 1.0
-    for _ in range(60):  # tail is increasing in p0
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if tail(r, rows, mid) < alpha else (lo, mid)
-    return hi
+    return float(stats.beta.ppf(alpha, r, rows - r + 1))
 
 
 @dataclass(frozen=True)
