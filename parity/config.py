@@ -20,6 +20,7 @@ from parity.errors import ConfigError
 
 LING3_ARCHITECTURE = "BailingMoeV3ForCausalLM"
 # Other architectures that share model_type bailing_hybrid and must be rejected by name.
+MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the HF class-default eps, not rms_norm_eps (facts §4.2)
 KNOWN_OTHER_ARCHITECTURES = {
     "BailingMoeV2_5ForCausalLM": "Ling 2.5/2.6 (lightning/GLA attention), not Ling3",
     "BailingMoeV2ForCausalLM": "Ling 2.0 (BailingMoeV2), not Ling3",

@@ -1,5 +1,6 @@
 """Corpus of the isolated-mode exactness test (parity.numerics.exactness): correct replays of fresh random checkpoints,
-counting per point the rows that are not bit-identical, then one `inexact_row_rate` per site class.
+counting per point the rows that are not bit-identical, then one `inexact_row_rate` per site class; for RMSNorm sites
+also the row-scale noise their rounding check must allow (parity.numerics.rounding), one `norm_scale_noise` per site.
 
 Corpus (tools/exactness.py): seeds alternate the presets as the no-false-alarm sweep does (odd: tiny, q-LoRA;
 even: tiny-flash, clamp), each dumped by the twin in bf16 at every prompt length (≤ 64 tokens: the recurrent KDA
@@ -12,17 +13,20 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from parity.numerics import exactness
+from parity.numerics import exactness, rounding
 from parity.numerics.compare import compare
 from parity.numerics.tolerances import ToleranceRule
 from parity.points import site_class
 
 MIN_POINTS = 20  # a class with fewer corpus points gets no rate (no criterion rather than a guessed one)
 MAX_RATE = 0.5  # a class whose correct rows are inexact this often gains nothing from the test: left off
+SCALE_MARGIN = 4.0  # norm_scale_noise = this × the largest a corpus point needed (two steps of the grid above it) ...
+SCALE_FLOOR = 1.0  # ... and at least u·√n, an fp32 sum's typical relative error (a corpus that needed 0 proves little)
 ROW_COUNT_RULE = ToleranceRule(floor_ulps=0, max_ulps=0, allowed_fraction=1.0, hard_ulps=None)  # only the row counts
 
 
@@ -48,8 +52,12 @@ def replay_rows(dump: Path, ckpt: Path, label: str) -> list[dict]:
                 if ref.shape != test.shape or not ref.size:
                     continue
                 v = compare(ref, test, ROW_COUNT_RULE)  # counts the rows as the exactness test will
-                out.append({"point": f"{label}:{ob.point.key()}", "site": ob.point.site,
-                            "class": site_class(ob.point.site), "rows": v.rows, "inexact": v.inexact_rows})
+                rec = {"point": f"{label}:{ob.point.key()}", "site": ob.point.site,
+                       "class": site_class(ob.point.site), "rows": v.rows, "inexact": v.inexact_rows}
+                if ob.rounding is not None:  # what the RMSNorm rounding check must allow for dump and target alike
+                    c = rounding.needed_scale_noise(ob.rounding.x, ob.rounding.w, ob.rounding.eps, ref, test)
+                    rec["scale_need"] = c if math.isfinite(c) else None
+                out.append(rec)
     return out
 
 
@@ -91,7 +99,33 @@ def derive_rates(records: Iterable[dict]) -> dict[str, tuple[exactness.RateDeriv
     return out
 
 
-def rates_toml(rates: dict, header: str) -> str:
+def derive_scale_noise(records: Iterable[dict]) -> dict[str, tuple[float | None, str]]:
+    """site -> (norm_scale_noise or None, why) for the RMSNorm sites of the corpus (records with `scale_need`), one
+    value per site class (the same formula everywhere; the row length is in rho already): None when the class has
+    fewer than MIN_POINTS points or a correct replay that no grid value explains (no check rather than a wrong one)."""
+    by: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        if "scale_need" in r:
+            by[r["class"]].append(r)
+    out = {}
+    for cls, recs in sorted(by.items()):
+        needs = [r["scale_need"] for r in recs]
+        if len(recs) < MIN_POINTS or any(n is None for n in needs):
+            value, why = None, f"{cls}: {len(recs)} points, {sum(n is None for n in needs)} beyond the grid"
+        else:
+            worst = max(needs)
+            value = max(SCALE_MARGIN * worst, SCALE_FLOOR)
+            why = (f"{cls}: {len(recs)} points, {sum(n > 0 for n in needs)} needed more than 0, the worst "
+                   f"{worst:g} (×{SCALE_MARGIN:g}, at least {SCALE_FLOOR:g})")
+        for site in sorted({r["site"] for r in recs}):
+            out[site] = (value, why)
+    return out
+
+
+def rates_toml(rates: dict, header: str, scale_noise: dict | None = None) -> str:
+    """The generated file: one rule per site with its class's `inexact_row_rate` and, for RMSNorm sites, the
+    `norm_scale_noise` of `derive_scale_noise`."""
+    scale_noise = scale_noise or {}
     lines = [header.rstrip(), "", 'schema = "ling3-parity-tolerances"', "version = 1", ""]
     for cls, (d, sites) in rates.items():
         if d is None:
@@ -106,9 +140,12 @@ def rates_toml(rates: dict, header: str) -> str:
                    f"{exactness.CORPUS_TAIL:g}"
         lines.append(f"# {cls}: {why}")
         for site in sites:
+            c, why_c = scale_noise.get(site, (None, ""))
+            lines += [f"# {site}: norm_scale_noise from {why_c}"] if c is not None else []
             lines += ["[[rule]]", f'site = "{site}"', 'mode = "isolated"', 'dtype = "bfloat16"',
-                      'compute = "bfloat16"', f"inexact_row_rate = {exactness.nice_rate(d.rate):.2g}",
-                      f'note = "exactness rate: {cls}, isolated"', ""]
+                      'compute = "bfloat16"', f"inexact_row_rate = {exactness.nice_rate(d.rate):.2g}"]
+            lines += [f"norm_scale_noise = {c:g}"] if c is not None else []
+            lines += [f'note = "exactness rate: {cls}, isolated"', ""]
     return "\n".join(lines) + "\n"
 
 

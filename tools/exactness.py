@@ -49,7 +49,10 @@ def main(argv=None) -> int:
               f"{platform.processor() or platform.platform()}.\n"
               f"# Corpus: {len(records)} bf16 points of correct isolated replays (parity/exactness_corpus.py).\n"
               f"# Do not edit numbers by hand: re-run the tool.")
-    RATES.write_text(ec.rates_toml(rates, header), encoding="utf-8")
+    scale = ec.derive_scale_noise(records)
+    RATES.write_text(ec.rates_toml(rates, header, scale), encoding="utf-8")
+    for site, (c, why) in scale.items():
+        print(f"{site:28s} norm_scale_noise {'off' if c is None else f'{c:g}'} ({why})")
     for cls, (d, sites) in rates.items():
         print(f"{cls:14s} " + ("off" if d is None else f"rate {d.rate:.3g} (pooled {d.inexact}/{d.rows}, "
                                                        f"worst {d.worst_point} {d.worst_r}/{d.worst_rows})"))

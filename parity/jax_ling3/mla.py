@@ -15,13 +15,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from parity.config import MLA_NORM_EPS as CONFIG_MLA_NORM_EPS
 from parity.jax_ling3.norms import rms_norm
 from parity.jax_ling3.ops import dot_f32, linear
 from parity.jax_ling3.rope import apply_rope_interleaved, cos_sin
 from parity.jax_ling3.spec import LayerSpec
 
 F32 = jnp.float32
-MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the class-default eps (facts §4.2)
+MLA_NORM_EPS = CONFIG_MLA_NORM_EPS  # q_a/kv_a_layernorm eps (facts §4.2); a module global so mutants can patch it
 
 
 class MLACache(NamedTuple):

@@ -58,10 +58,29 @@ def _judge(session, obs: Observation) -> PointRecord:
     stats = v.to_dict()
     if obs.transform is not None:
         stats["transform"] = obs.transform.note
-    if not v.passed and (why := _explained_by_fork(obs, ref, test, rule)) is not None:
+    passed, message = v.passed, None if v.passed else v.message()
+    rounding = _rounding_check(obs, ref, test, rule)
+    if rounding is not None:
+        stats["rounding"] = rounding
+        if rounding.get("outside"):
+            from parity.numerics.rounding import message as rounding_message
+
+            line = rounding_message(point.key(), rounding)
+            passed, message = False, line if message is None else f"{message}\n{line}"
+            stats["passed"] = False  # the compare's own verdict passed; the point's does not
+    if not passed and (why := _explained_by_fork(obs, ref, test, rule)) is not None:
         return PointRecord(point, Status.SEMANTIC, stats=stats, reason=why, message=f"{point.key()}: {why}")
-    return PointRecord(point, Status.PASS if v.passed else Status.FAIL, stats=stats,
-                       message=None if v.passed else v.message())
+    return PointRecord(point, Status.PASS if passed else Status.FAIL, stats=stats, message=message)
+
+
+def _rounding_check(obs: Observation, ref: np.ndarray, test: np.ndarray, rule) -> dict | None:
+    """The RMSNorm rounding check's report entry (parity.numerics.rounding) where the strategy supplied its inputs,
+    the rule sets `norm_scale_noise` and both tensors are bf16 as the dump holds them; else None."""
+    if obs.rounding is None or rule.norm_scale_noise is None or obs.transform is not None:
+        return None
+    if ref.dtype.name != "bfloat16" or test.dtype.name != "bfloat16":
+        return None
+    return obs.rounding.check(ref, test, rule.norm_scale_noise)
 
 
 def _explained_by_fork(obs: Observation, ref: np.ndarray, test: np.ndarray, rule) -> str | None:

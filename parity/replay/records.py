@@ -43,6 +43,7 @@ class Observation:
     positions: absolute token positions of this step; feeds: the dumped sites an isolated site was fed.
     expert_bias: the layer's router bias (routing analysis of `mlp.gate.topk_idx`).
     transform / why_absent: see the fields (protocol v2, targets read through taps).
+    rounding: for an isolated RMSNorm site, what its rounding check needs (`parity.numerics.rounding.RmsNormCheck`).
     """
 
     point: Point
@@ -58,6 +59,7 @@ class Observation:
     # target computed, and the target's own reason when it did not produce the point
     transform: Any = None
     why_absent: str | None = None
+    rounding: Any = field(default=None, repr=False)
     # where the dump's runtime departs from the intended semantics on a fork that changes this layer: the site's
     # array from a reference following the dump's semantics and from one following the intended ones
     # ({"dump": arr, "intended": arr, "forks": [names]}); the judge classifies a failure they explain as `semantic`

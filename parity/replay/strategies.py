@@ -24,6 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
+from parity.config import MLA_NORM_EPS
 from parity.points import Point, layer_graph, mtp_site, sites_for_config
 from parity.replay.records import Observation
 from parity.replay.session import Session
@@ -258,10 +259,41 @@ def observe_isolated(s: Session, i: int) -> Iterator[Observation]:
                 test = s.call(f"layer {i} {phase} step {step}: submodule {site.name}", s.target.submodule, i,
                               site.name, inputs, state)
                 yield Observation(pt, s.dump.read(pt), None if test is None else np.asarray(test), s.mode,
-                                  positions=positions, feeds=site.inputs, expert_bias=bias)
+                                  positions=positions, feeds=site.inputs, expert_bias=bias,
+                                  rounding=_norm_check(cfg, i, site.name, inputs, hf))
             history.append((phase, step))
     finally:
         s.target.unload_layer(i)
+
+
+# RMSNorm sites of a layer -> (eps, the norm's input rows from the site's dumped inputs): facts §6 (layer norms,
+# rms_norm_eps; post-attention norm of the bf16 residual sum, §8) and §4.2 (MLA LoRA norms: class-default eps, kv_a's
+# latent part [:c]).
+_NORM_SITES = {
+    "input_layernorm": (lambda cfg: cfg.rms_norm_eps, lambda cfg, x: x["input"]),
+    "post_attention_layernorm": (lambda cfg: cfg.rms_norm_eps, lambda cfg, x: _add_in_dtype(x["input"], x["attention"])),
+    "attention.q_a_layernorm": (lambda cfg: MLA_NORM_EPS, lambda cfg, x: x["attention.q_a_proj"]),
+    "attention.kv_a_layernorm": (lambda cfg: MLA_NORM_EPS,
+                                 lambda cfg, x: x["attention.kv_a_proj_with_mqa"][..., :cfg.kv_lora_rank]),
+}
+
+
+def _add_in_dtype(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a + b rounded once to their dtype, as torch and XLA add two bf16 tensors."""
+    return (a.astype(np.float32) + b.astype(np.float32)).astype(a.dtype)
+
+
+def _norm_check(cfg, i: int, site: str, inputs: dict, hf: dict):
+    """The rounding check (parity.numerics.rounding) of an RMSNorm site fed bf16 rows, else None."""
+    from parity.numerics.rounding import RmsNormCheck
+
+    spec, w = _NORM_SITES.get(site), hf.get(f"model.layers.{i}.{site}.weight")
+    if spec is None or w is None:
+        return None
+    x = spec[1](cfg, inputs)
+    if np.asarray(x).dtype.name != "bfloat16":
+        return None
+    return RmsNormCheck(x, w, spec[0](cfg))
 
 
 def _step_len(s: Session, phase: str, step: int, i: int) -> int:
