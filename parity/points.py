@@ -11,6 +11,7 @@ holds the names, their order and the HDF5 / report spellings.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -130,6 +131,7 @@ def _layer_kinds(kind: str, moe: bool, q_lora: bool) -> set[str]:
     return kinds
 
 
+@functools.lru_cache(maxsize=None)  # a few (kind, moe, q_lora) combinations; Sites are frozen, the result a tuple
 def layer_graph(kind: str, moe: bool, q_lora: bool) -> tuple[Site, ...]:
     """The graph of one layer: its sites in execution order, inputs restricted to sites the layer has."""
     kinds = _layer_kinds(kind, moe, q_lora)

@@ -24,8 +24,6 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from scipy import stats
-
 ALPHA = 1e-6  # a point fails when P(X ≥ r | R, p0) < ALPHA: ~1 false alarm in 10^6 points if p0 is right
 CORPUS_TAIL = 1e-3  # every corpus point must have tail ≥ this under the derived p0 (3 decades above ALPHA)
 CONFIDENCE = 0.999  # one-sided upper confidence bound of the pooled rate
@@ -35,6 +33,8 @@ def tail(r: int, rows: int, p0: float) -> float:
     """P(X ≥ r) for X ~ Binomial(rows, p0): how unlikely r inexact rows are for a correct implementation."""
     if r <= 0:
         return 1.0
+    from scipy import stats  # here, not at import: scipy.stats costs ~1 s, and only isolated-mode rules need it
+
     return float(stats.binom.sf(r - 1, rows, min(max(p0, 0.0), 1.0)))
 
 
@@ -43,6 +43,8 @@ def rate_that_passes(r: int, rows: int, alpha: float = ALPHA) -> float:
     P(X ≥ r) for X ~ Bin(rows, p) is the regularised incomplete beta I_p(r, rows - r + 1), so p = its inverse."""
     if r <= 0:
         return 0.0
+    from scipy import stats
+
     return float(stats.beta.ppf(alpha, r, rows - r + 1))
 
 
@@ -63,6 +65,8 @@ class RateDerivation:
 def derive_rate(points: Iterable[tuple[str, int, int]]) -> RateDerivation:
     """p0 for one site class from its corpus points (label, rows, inexact rows): the larger of the pooled rate's
     `CONFIDENCE` upper bound (Clopper-Pearson) and the smallest p under which every point has tail ≥ `CORPUS_TAIL`."""
+    from scipy import stats
+
     pts = list(points)
     if not pts:
         raise ValueError("derive_rate: no corpus points")
