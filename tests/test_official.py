@@ -148,8 +148,8 @@ def test_official_equals_native_where_native_supports_the_shape(ckpts, tmp_path)
     largest on one-token decode tensors (64 elements). Measured worst rel-L2: AVX-512 machines ~3e-6 at 100 tokens
     (2.3e-5 at 40 tokens, decode/S001/L05); AMD EPYC without AVX-512 (2026-11-25) 2.84e-5 at decode/S001/L04
     attention.o_proj, 71 of 486 points above 1e-5, the residual stream (layer outputs) ≤ 1.35e-5. Bounds: the
-    residual stream within 2e-5 (the fp32 tier, as tests/test_twin_vs_builtin.py), every point within 1e-4; a port-
-    level bug (a wrong RoPE, gate or norm) moves points by ≥ 1e-3."""
+    residual stream within 2e-5 (the fp32 tier, as tests/test_twin_vs_builtin.py), every point within 1e-4 (3.5× the
+    worst measured; widened from 2e-5 for that measured cause — this test has no bug control of its own)."""
     off = tmp_path / "off"
     shutil.copytree(ckpts["tiny-flash"][0], off)
     cfg = json.loads((off / "config.json").read_text())
