@@ -1,4 +1,5 @@
-"""The parity tests: one per compared point of every selected dump (ids hold dump/phase/layer_{i}/site).
+"""The parity tests: one per compared site of every layer of every selected dump, covering each step the dump was
+made with (ids hold dump/layer_{i}/site; report.json holds one record per point).
 
 Parametrised by the plugin (`parity/plugin.py`); run `pytest parity -k layer_3` for layer 3 only.
 """
@@ -6,5 +7,5 @@ Parametrised by the plugin (`parity/plugin.py`); run `pytest parity -k layer_3` 
 from parity.plugin import run_point
 
 
-def test_point(request, parity_dump, parity_point, parity_layer):
-    run_point(request, parity_dump, parity_point, parity_layer)
+def test_point(request, parity_dump, parity_points, parity_layer):
+    run_point(request, parity_dump, parity_points, parity_layer)

@@ -4,7 +4,7 @@ Why not xdist's own `--dist loadgroup`: its workers carry the group to the contr
 item's `_nodeid`; pytest 9.2 derives node ids from a structured id instead, so the write is lost and loadgroup
 silently schedules like `load` (pytest-xdist issue #1386, open with pytest 9.2.0 + pytest-xdist 3.8.0). The
 controller's scheduler only ever sees node ids, and a parity point's id already names its group
-(`test_point[<dump>/<phase>/<layer_i|model>/<site>]`), so this scheduler reads the group from the id itself and
+(`test_point[<dump>/<layer_i|model|MTPj>/<site>]`), so this scheduler reads the group from the id itself and
 needs nothing from the workers.
 """
 
@@ -14,10 +14,10 @@ import re
 
 from xdist.scheduler import LoadGroupScheduling
 
-# the id the plugin gives a parity point (parity/plugin.py parity_params): `<run>/<phase>/<layer>/<site>`, where the
-# run is a dump label (a file name) or `<label>/<mode>` when one pytest run replays several modes
-# (`<run>/<phase>/MTP<j>/<site>` for an MTP layer's points: one group per MTP layer)
-_POINT_ID = re.compile(r"::test_point\[(?P<dump>.+?)/(?:prefill|decode_\d+)/(?P<layer>layer_\d+|model|MTP\d+)/[^/]+\]$")
+# the id the plugin gives a parity test (parity/plugin.py parity_params): `<run>/<layer>/<site>`, where the run is a
+# dump label (a file name) or `<label>/<mode>` when one pytest run replays several modes (`<run>/MTP<j>/<site>` for
+# an MTP layer's sites: one group per MTP layer); a site has no "/"
+_POINT_ID = re.compile(r"::test_point\[(?P<dump>.+)/(?P<layer>layer_\d+|model|MTP\d+)/[^/]+\]$")
 
 
 def point_group(nodeid: str) -> str | None:

@@ -40,8 +40,8 @@ def test_layer_and_isolated_in_one_run(tmp_path):
     r = _pytest("--parity-dump", str(DUMP), "--parity-mode", "layer,isolated", "-k", "layer_1", "-q", "-rA",
                 "--parity-report", str(tmp_path))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "PASSED parity/test_points.py::test_point[tiny-bf16/layer/prefill/layer_1/attention.core]" in r.stdout
-    assert "PASSED parity/test_points.py::test_point[tiny-bf16/isolated/prefill/layer_1/attention.core]" in r.stdout
+    assert "PASSED parity/test_points.py::test_point[tiny-bf16/layer/layer_1/attention.core]" in r.stdout
+    assert "PASSED parity/test_points.py::test_point[tiny-bf16/isolated/layer_1/attention.core]" in r.stdout
     for mode in ("layer", "isolated"):
         rep = json.loads((tmp_path / "tiny-bf16" / mode / "report.json").read_text())
         assert rep["mode"] == mode and rep["passed"] and any(p["layer"] == 1 for p in rep["points"])
@@ -51,7 +51,7 @@ def test_single_mode_keeps_the_plain_ids_and_directory(tmp_path):
     r = _pytest("--parity-dump", str(DUMP), "--parity-mode", "layer", "-k", "layer_1 and attention.core", "-q", "-rA",
                 "--parity-report", str(tmp_path))
     assert r.returncode == 0, r.stdout[-3000:]
-    assert "PASSED parity/test_points.py::test_point[tiny-bf16/prefill/layer_1/attention.core]" in r.stdout
+    assert "PASSED parity/test_points.py::test_point[tiny-bf16/layer_1/attention.core]" in r.stdout
     assert (tmp_path / "tiny-bf16" / "report.json").is_file()
 
 

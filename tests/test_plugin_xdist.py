@@ -26,8 +26,8 @@ def _workers_by_layer(*extra: str) -> tuple[dict, set]:
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     workers, suffixes = defaultdict(set), set()
     for m in LINE.finditer(out.stdout):
-        parts = m.group(2).split("/")  # <dump>/<phase>/<layer_i|model>/<site>
-        workers[parts[2]].add(m.group(1))
+        parts = m.group(2).split("/")  # <dump>/<layer_i|model>/<site>
+        workers[parts[1]].add(m.group(1))
         suffixes.add(m.group(3))
     assert set(workers) == {"model", "layer_0", "layer_1"}, out.stdout[-2000:]
     return workers, suffixes
@@ -55,9 +55,11 @@ def test_an_explicit_dist_is_honoured():
 
 def test_point_group_reads_dump_and_layer_from_the_id():
     f = "parity/test_points.py::test_point"
-    assert point_group(f"{f}[tiny-bf16/prefill/layer_3/attention.core]") == "parity:tiny-bf16:layer_3"
-    assert point_group(f"{f}[tiny-bf16/decode_2/layer_13/attention.dense:in]") == "parity:tiny-bf16:layer_13"
-    assert point_group(f"{f}[a.b-c/decode_1/model/logits]") == "parity:a.b-c:model"
+    assert point_group(f"{f}[tiny-bf16/layer_3/attention.core]") == "parity:tiny-bf16:layer_3"
+    assert point_group(f"{f}[tiny-bf16/layer_13/attention.dense:in]") == "parity:tiny-bf16:layer_13"
+    assert point_group(f"{f}[a.b-c/model/logits]") == "parity:a.b-c:model"
+    assert point_group(f"{f}[tiny-bf16/isolated/layer_2/mlp]") == "parity:tiny-bf16/isolated:layer_2"  # with a mode
+    assert point_group(f"{f}[tiny-bf16/MTP0/eh_proj]") == "parity:tiny-bf16:MTP0"
     # other tests, and a dump that could not be read, are their own units
     assert point_group(f"{f}[tiny-bf16/unreadable]") is None
     assert point_group("tests/test_x.py::test_point[tiny/prefill/layer_3]") is None

@@ -5,6 +5,7 @@ function whose host callback never returns, so the calling thread blocks inside 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -87,7 +88,11 @@ def test_pytest_parity_fails_the_stalled_layer_and_finishes(tmp_path):
                         "--parity-stall-timeout", "5", "--parity-report", str(tmp_path / "reports")],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert r.returncode == 1, r.stdout[-3000:]
-    assert "135 failed, 140 passed" in r.stdout, r.stdout[-3000:]  # layer 1's 135 points; layer 0 and the model pass
+    # one test per site over the dump's 5 steps: layer 1's 27 sites (135 points) fail; layer 0 and the model pass
+    assert "27 failed, 28 passed" in r.stdout, r.stdout[-3000:]
     line = "tiny-bf16.h5 layer 1 prefill step 0: layer_forward: no result after 5 s (stalled); Python and native stacks"
-    assert r.stdout.count(line) >= 135, r.stdout[-3000:]
+    assert r.stdout.count(line) >= 27, r.stdout[-3000:]
+    rep = json.loads((tmp_path / "reports" / "tiny-bf16" / "report.json").read_text())
+    failed = {(p["phase"], p["step"], p["site"]) for p in rep["points"] if p["status"] == "fail"}
+    assert len(failed) == 135 and all(p["layer"] == 1 for p in rep["points"] if p["status"] == "fail"), rep["counts"]
     assert len(list((tmp_path / "reports").glob("ling3-parity-stall-*.txt"))) == 1
