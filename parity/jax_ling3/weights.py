@@ -359,6 +359,21 @@ class _LazyTensors(Mapping):
     def __len__(self) -> int:
         return len(self.files)
 
+    def read_all(self) -> dict[str, np.ndarray]:
+        """Every key, each shard opened once (opening one parses its header: ~0.4 ms a tensor when done per key)."""
+        by_file: dict[Path, list[str]] = {}
+        for k, path in self.files.items():
+            by_file.setdefault(path, []).append(k)
+        out = {}
+        for path, keys in by_file.items():
+            try:
+                with safe_open(str(path), framework="numpy") as f:
+                    out.update((k, f.get_tensor(k)) for k in keys)
+            except Exception as e:  # safetensors raises its own error types on truncated files
+                raise CheckpointError(f"{path}: cannot read tensors {keys[:3]}{'...' if len(keys) > 3 else ''} "
+                                      f"({e})") from None
+        return {k: out[k] for k in self.files}  # the index's key order, as before
+
 
 class CheckpointReader:
     """Lazy reader of an HF Ling3 checkpoint directory (sharded with `model.safetensors.index.json`, or plain
@@ -437,17 +452,14 @@ class CheckpointReader:
 
     def hf_tensors(self, i: int) -> dict[str, np.ndarray]:
         """All `model.layers.{i}.*` tensors, raw names -> numpy (bf16 as ml_dtypes.bfloat16)."""
-        lazy = self.lazy_tensors(i)
-        return {k: lazy[k] for k in lazy}
+        return self.lazy_tensors(i).read_all()
 
     def mtp_hf_tensors(self, j: int) -> dict[str, np.ndarray]:
         """All `model.layers.{N+j}.*` tensors of MTP layer j, raw names -> numpy."""
-        lazy = self.mtp_lazy_tensors(j)
-        return {k: lazy[k] for k in lazy}
+        return self.mtp_lazy_tensors(j).read_all()
 
     def hf_global_tensors(self) -> dict[str, np.ndarray]:
-        lazy = _LazyTensors({k: p for k, p in self.key_files.items() if k in GLOBAL_KEYS})
-        return {k: lazy[k] for k in lazy}
+        return _LazyTensors({k: p for k, p in self.key_files.items() if k in GLOBAL_KEYS}).read_all()
 
     # -- converted params (JAX layout, numpy arrays; put on device with jnp.asarray / sharding.place)
     def layer_params(self, i: int, dtype: str, put=None) -> dict:

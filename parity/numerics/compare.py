@@ -28,6 +28,7 @@ Integer / bool tensors (e.g. router top-k ids) compare exactly; the rule is reco
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 from fractions import Fraction
@@ -45,6 +46,7 @@ class ComparisonError(ParityError):
     """Two tensors that cannot be compared at all (shape mismatch, no ULP convention for the dtype, ...)."""
 
 
+@functools.lru_cache(maxsize=4096)  # exact Fraction arithmetic, asked again for every point of the same size
 def allowed_over_count(allowed_fraction: float, n: int) -> int:
     """How many of n elements may be above max_ulps: floor(allowed_fraction · n), with the fraction taken as
     written in decimal (0.001 · 1000 = 1, 0.3 · 10 = 3) so binary rounding of the fraction never costs an element."""
@@ -267,6 +269,7 @@ def _compare_exact(ref: np.ndarray, test: np.ndarray, rule: ToleranceRule, name:
         min_passing_hard_ulps=None)
 
 
+@functools.lru_cache(maxsize=4096)
 def percentile_rank(q: str, m: int) -> int:
     """0-based rank of the q-th percentile of m sorted values, "inverted_cdf" (smallest v with ≥ q % of values ≤ v),
     computed with exact fractions so 99.9 % of 1000 is rank 998, not 999."""

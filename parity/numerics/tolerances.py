@@ -139,7 +139,8 @@ class ToleranceRule:
         return self.rtol is not None or self.atol is not None
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        # every field is a scalar: a flat copy is what asdict gives, without its deep-copy walk (once per point)
+        return {f: getattr(self, f) for f in RULE_FIELDS}
 
     def describe(self) -> str:
         """Short text: 'floor 1 ULP of row RMS, max 2 ULP on ≤ 0.1%, hard 64 ULP'."""
