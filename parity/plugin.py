@@ -456,7 +456,7 @@ def run_point(request: pytest.FixtureRequest, entry: DumpEntry, group: PointGrou
         elif status == "skipped":
             skips.append(rec.get("reason", "skipped"))
     if failures:
-        pytest.fail("\n".join(failures), pytrace=False)
+        pytest.fail("\n\n".join(failures), pytrace=False)
     if skips and len(skips) == len(group.points):
         pytest.skip(skips[0] if len(set(skips)) == 1 else "; ".join(dict.fromkeys(skips)))
 

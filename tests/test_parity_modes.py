@@ -74,3 +74,21 @@ def test_mtp_points_in_every_mode_of_one_run(tmp_path):
         mtp = [p for p in rep["points"] if str(p["site"]).startswith("MTP0/")]
         assert mtp and all(p["status"] != "missing" for p in mtp), mode
         assert any(p["status"] == "pass" for p in mtp) == compared, mode
+
+
+def test_a_site_failing_at_several_steps_is_one_test_naming_each_point(tmp_path):
+    # one test per (dump, layer, site) covers every step: with a zero-ULP rule, layer 2's fp32 KDA gate (inexact at
+    # every step of this dump) fails once, listing the prefill and the 4 decode points; the report keeps 5 records
+    rule = "attention.gate:layer:float32:max_ulps=0,hard_ulps=0,allowed_fraction=0,floor_ulps=0"
+    r = _pytest("--parity-dump", str(DUMP), "--parity-layers", "2", "-k", "layer_2 and attention.gate", "-q",
+                "--parity-tol", rule, "--parity-report", str(tmp_path))
+    assert r.returncode == 1 and "1 failed" in r.stdout, r.stdout[-3000:]
+    for name in ("prefill/L02", "decode/S001/L02", "decode/S002/L02", "decode/S003/L02", "decode/S004/L02"):
+        assert f"Tensor-likes are not close! [{name}/attention.gate]" in r.stdout, (name, r.stdout[-3000:])
+    rep = json.loads((tmp_path / "tiny-bf16" / "report.json").read_text())
+    gate = [p for p in rep["points"] if p["layer"] == 2 and p["site"] == "attention.gate"]
+    assert len(gate) == 5 and all(p["status"] == "fail" for p in gate), [p["status"] for p in gate]
+    # control: without the override the same test passes
+    r = _pytest("--parity-dump", str(DUMP), "--parity-layers", "2", "-k", "layer_2 and attention.gate", "-q",
+                "--parity-report", str(tmp_path))
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:]
