@@ -259,8 +259,7 @@ def parity_params(config: pytest.Config) -> list:
             params.append(pytest.param(entry, None, None, id=f"{entry.run}/unreadable",
                                        marks=pytest.mark.parity_error(str(e))))
             continue
-        groups: dict[tuple, tuple[list, list]] = {}  # (unit id part, site) -> (points, unknown lines); owed order
-        units: dict[tuple, object] = {}
+        groups: dict[tuple, tuple] = {}  # (id part of the unit, site) -> (unit, points, unknown lines); owed order
         for o in owed:
             if o.not_tested:
                 continue
@@ -268,18 +267,16 @@ def parity_params(config: pytest.Config) -> list:
             mtp = mtp_site(p.site)  # an MTP layer's point: its own replay unit "MTP{j}", id .../MTP0/<site>
             unit = p.layer if mtp is None else f"MTP{mtp[0]}"
             lay = ("model" if p.layer is None else f"layer_{p.layer}") if mtp is None else None
-            key = (lay or "", p.site)
-            pts, unknown = groups.setdefault(key, ([], []))
-            units[key] = unit
+            _, pts, unknown = groups.setdefault((lay, p.site), (unit, [], []))
             if not o.unknown:
                 pts.append((p.phase, p.step, p.layer, p.site))
             else:
                 unknown.append(f"{entry.path}: holds {p.key()}, which is not a point of its model (layer kinds and "
                                "sites of parity/points.py): no replay compares it")
-        for (lay, site), (pts, unknown) in groups.items():
-            group = PointGroup(site, tuple(pts), tuple(unknown))
-            params.append(pytest.param(entry, group, units[(lay, site)], marks=[_xdist_group(entry, units[(lay, site)])],
-                                       id="/".join(x for x in (entry.run, lay, site) if x)))
+        for (lay, site), (unit, pts, unknown) in groups.items():
+            params.append(pytest.param(entry, PointGroup(site, tuple(pts), tuple(unknown)), unit,
+                                       id="/".join(x for x in (entry.run, lay, site) if x),
+                                       marks=[_xdist_group(entry, unit)]))
     return params
 
 
