@@ -100,26 +100,21 @@ def derive_rates(records: Iterable[dict]) -> dict[str, tuple[exactness.RateDeriv
 
 
 def derive_scale_noise(records: Iterable[dict]) -> dict[str, tuple[float | None, str]]:
-    """site -> (norm_scale_noise or None, why) for the RMSNorm sites of the corpus (records with `scale_need`), one
-    value per site class (the same formula everywhere; the row length is in rho already): None when the class has
+    """site -> (norm_scale_noise or None, why) for the RMSNorm sites of the corpus (records with `scale_need`): one
+    value for all of them, pooled — it bounds the fp32 noise of one formula (facts §6), the same at every RMSNorm, and
+    the row length is in rho already (the model's final norm alone has too few corpus points to say much). None when
     fewer than MIN_POINTS points or a correct replay that no grid value explains (no check rather than a wrong one)."""
-    by: dict[str, list[dict]] = defaultdict(list)
-    for r in records:
-        if "scale_need" in r:
-            by[r["class"]].append(r)
-    out = {}
-    for cls, recs in sorted(by.items()):
-        needs = [r["scale_need"] for r in recs]
-        if len(recs) < MIN_POINTS or any(n is None for n in needs):
-            value, why = None, f"{cls}: {len(recs)} points, {sum(n is None for n in needs)} beyond the grid"
-        else:
-            worst = max(needs)
-            value = max(SCALE_MARGIN * worst, SCALE_FLOOR)
-            why = (f"{cls}: {len(recs)} points, {sum(n > 0 for n in needs)} needed more than 0, the worst "
-                   f"{worst:g} (×{SCALE_MARGIN:g}, at least {SCALE_FLOOR:g})")
-        for site in sorted({r["site"] for r in recs}):
-            out[site] = (value, why)
-    return out
+    recs = [r for r in records if "scale_need" in r]
+    needs = [r["scale_need"] for r in recs]
+    classes = ", ".join(f"{c} {sum(r['class'] == c for r in recs)}" for c in sorted({r["class"] for r in recs}))
+    if len(recs) < MIN_POINTS or any(n is None for n in needs):
+        value, why = None, f"RMSNorm sites ({classes}): {len(recs)} points, {sum(n is None for n in needs)} beyond the grid"
+    else:
+        worst = max(needs)
+        value = max(SCALE_MARGIN * worst, SCALE_FLOOR)
+        why = (f"RMSNorm sites ({classes}): {len(recs)} points, {sum(n > 0 for n in needs)} needed more than 0, the "
+               f"worst {worst:g} (×{SCALE_MARGIN:g}, at least {SCALE_FLOOR:g})")
+    return {site: (value, why) for site in sorted({r["site"] for r in recs})}
 
 
 def rates_toml(rates: dict, header: str, scale_noise: dict | None = None) -> str:

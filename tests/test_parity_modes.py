@@ -29,7 +29,7 @@ def test_bundled_dump_passes_in_isolated_mode(dump):
     # bf16 dumps: the RMSNorm rounding check (parity.numerics.rounding) applies at every norm point — the dump lies
     # inside its brackets — so a check that quietly stopped applying (an input or eps mix-up) is seen here
     norms = [p for p in compared if p["site"] in ("input_layernorm", "post_attention_layernorm",
-                                                   "attention.q_a_layernorm", "attention.kv_a_layernorm")]
+                                                   "attention.q_a_layernorm", "attention.kv_a_layernorm", "final_norm")]
     if "bf16" in dump.stem:
         not_applied = [(p["phase"], p["step"], p["layer"], p["site"], (p.get("rounding") or {}).get("why"))
                        for p in norms if not (p.get("rounding") or {}).get("applied")]

@@ -5,6 +5,8 @@ fused kernel's single rounding, leave it; the monotonicity the two-end bracket r
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -141,3 +143,32 @@ def test_judge_fails_a_point_outside_and_passes_it_inside(tmp_path):
     assert rec_bad.stats["rounding"]["outside"] >= 1
     assert rec_ok.status == Status.PASS and rec_ok.stats["rounding"]["outside"] == 0
     assert rec_unchecked.status == Status.PASS  # without the check the same point passes: the check is what fails it
+
+
+def test_final_norm_is_checked_and_a_fused_single_rounding_there_fails():
+    """The model's final RMSNorm (fed the dumped last-layer output) gets the check too: on a bundled bf16 dump in
+    isolated mode it applies at every step with nothing outside; a head whose final norm rounds once, bf16(w·x·r)
+    as a fused kernel would (the facts-§6 formula rounds x·r to bf16 first), falls outside at every step."""
+    from parity.replay import run_replay
+    from parity.targets.reference import ReferenceTarget
+
+    class FusedFinalNorm(ReferenceTarget):
+        name = "fused-final-norm"
+
+        def head(self, hidden):
+            out = super().head(hidden)
+            x = np.asarray(hidden).astype(np.float32)
+            ms = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
+            r = 1.0 / np.sqrt(ms + np.float32(self.cfg.rms_norm_eps))
+            w = np.asarray(self.globals["final_norm"]).astype(np.float32)
+            out["final_norm"] = (w * (x * r)).astype(ml_dtypes.bfloat16)
+            return out
+
+    dump = Path(__file__).resolve().parents[1] / "dumps" / "tiny-flash-bf16.h5"
+    ok = [p for p in run_replay(dump, mode="isolated", layers=[])["points"] if p["site"] == "final_norm"]
+    bad = [p for p in run_replay(dump, mode="isolated", layers=[], target=FusedFinalNorm)["points"]
+           if p["site"] == "final_norm"]
+    assert len(ok) == len(bad) == 5  # prefill + 4 decode steps
+    assert all(p["status"] == "pass" and p["rounding"]["applied"] and p["rounding"]["outside"] == 0 for p in ok), ok
+    assert all(p["status"] == "fail" and p["rounding"]["outside"] > 0 for p in bad), [p["status"] for p in bad]
+    assert all(p["max_ulp_raw"] <= 1 for p in bad)  # 1-ULP differences: what the bracket, not a ULP bound, pins

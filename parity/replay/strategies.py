@@ -177,8 +177,10 @@ def _tokens(s: Session, phase: str, step: int) -> np.ndarray:
 
 
 def observe_model_points(s: Session) -> Iterator[Observation]:
-    """embed / final_norm / logits, teacher-forced: embed from the dump's ids, head fed the dumped last output."""
-    s.call("load_globals", s.target.load_globals, s.ckpt.hf_global_tensors())
+    """embed / final_norm / logits, teacher-forced: embed from the dump's ids, head fed the dumped last output (so
+    `final_norm` is fed exactly its dumped input and gets the RMSNorm rounding check, as an isolated layer norm)."""
+    hf = s.ckpt.hf_global_tensors()
+    s.call("load_globals", s.target.load_globals, hf)
     last_layer = s.config.num_hidden_layers - 1
     for phase, step in s.steps():
         pt = Point(phase, step, None, "embed")
@@ -186,10 +188,12 @@ def observe_model_points(s: Session) -> Iterator[Observation]:
                                                     _tokens(s, phase, step)), s.mode)
         last = Point(phase, step, last_layer, "output")
         if s.dump.has(last):
-            head = s.call(f"model {phase} step {step}: head", s.target.head, s.dump.read(last))
+            x = s.dump.read(last)
+            head = s.call(f"model {phase} step {step}: head", s.target.head, x)
             for site in ("final_norm", "logits"):
                 pt = Point(phase, step, None, site)
-                yield Observation(pt, _read(s, pt), head.get(site), s.mode)
+                yield Observation(pt, _read(s, pt), head.get(site), s.mode,
+                                  rounding=_final_norm_check(s.config, x, hf) if site == "final_norm" else None)
 
 
 def observe_free(s: Session, progress=None) -> Iterator[Observation]:
@@ -294,6 +298,17 @@ def _norm_check(cfg, i: int, site: str, inputs: dict, hf: dict):
     if np.asarray(x).dtype.name != "bfloat16":
         return None
     return RmsNormCheck(x, w, spec[0](cfg))
+
+
+def _final_norm_check(cfg, x: np.ndarray, hf: dict):
+    """The rounding check of the model's final RMSNorm (facts §6: rms_norm_eps) fed the dumped last-layer output, for
+    bf16 rows; else None. The judge applies it where the rule sets `norm_scale_noise` (isolated mode)."""
+    from parity.numerics.rounding import RmsNormCheck
+
+    w = hf.get("model.norm.weight")
+    if w is None or np.asarray(x).dtype.name != "bfloat16":
+        return None
+    return RmsNormCheck(x, w, cfg.rms_norm_eps)
 
 
 def _step_len(s: Session, phase: str, step: int, i: int) -> int:
