@@ -1087,7 +1087,7 @@ class DumpReader:
     def read(self, point: Point, index: Any = ()) -> np.ndarray:
         """The array of a point (optionally `index`-sliced, read lazily); bf16 comes back as ml_dtypes.bfloat16."""
         point = _stored(point)
-        if index == ():  # the whole array through h5py's low-level API (a third of the high-level path's cost)
+        if isinstance(index, tuple) and not index:  # the whole array through h5py's low-level API (a third of the high-level path's cost)
             if not self.has(point):
                 raise DumpError(self._missing_message(point))
             with _h5_errors(self.path, f"cannot read {point.key()}"):

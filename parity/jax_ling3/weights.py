@@ -367,11 +367,15 @@ class _LazyTensors(Mapping):
         out = {}
         for path, keys in by_file.items():
             try:
-                with safe_open(str(path), framework="numpy") as f:
-                    out.update((k, f.get_tensor(k)) for k in keys)
+                f = safe_open(str(path), framework="numpy")
             except Exception as e:  # safetensors raises its own error types on truncated files
-                raise CheckpointError(f"{path}: cannot read tensors {keys[:3]}{'...' if len(keys) > 3 else ''} "
-                                      f"({e})") from None
+                raise CheckpointError(f"{path}: cannot read tensor '{keys[0]}' ({e})") from None
+            with f:
+                for k in keys:
+                    try:
+                        out[k] = f.get_tensor(k)
+                    except Exception as e:
+                        raise CheckpointError(f"{path}: cannot read tensor '{k}' ({e})") from None
         return {k: out[k] for k in self.files}  # the index's key order, as before
 
 
