@@ -105,11 +105,15 @@ def test_bracket_holds_every_scale_in_between():
     assert (lo < hi).mean() > 0.3  # the interval is wide enough for the test to mean something
 
 
-def test_default_table_checks_rmsnorm_sites_only_in_isolated_bf16():
+def test_default_table_checks_rmsnorm_sites_only_where_fed_dumped_inputs_in_bf16():
     t = default_rules()
-    for site in ("input_layernorm", "post_attention_layernorm", "attention.q_a_layernorm", "attention.kv_a_layernorm"):
+    fed_in_layer_mode = ("input_layernorm", "final_norm")  # teacher forcing feeds them dumped tensors
+    for site in ("input_layernorm", "post_attention_layernorm", "attention.q_a_layernorm", "attention.kv_a_layernorm",
+                 "final_norm"):
         assert t.rule_for(site, "isolated", "bfloat16", "bfloat16").norm_scale_noise is not None, site
-        assert t.rule_for(site, "layer", "bfloat16", "bfloat16").norm_scale_noise is None, site
+        for mode in ("layer", "forced"):
+            got = t.rule_for(site, mode, "bfloat16", "bfloat16").norm_scale_noise
+            assert (got is not None) == (site in fed_in_layer_mode), (site, mode, got)
         assert t.rule_for(site, "isolated", "float32", "float32").norm_scale_noise is None, site
     assert t.rule_for("attention.o_proj", "isolated", "bfloat16", "bfloat16").norm_scale_noise is None
 

@@ -49,14 +49,17 @@ def _positions(s: Session, phase: str, step: int, T: int) -> np.ndarray:
 
 def _layer_observations(s: Session, phase: str, step: int, i: int, pts: dict, forced_pts: dict | None, bias,
                         positions, res=None, shadow: dict | None = None,
-                        forced_shadow: dict | None = None) -> Iterator[Observation]:
+                        forced_shadow: dict | None = None, rounding: dict | None = None) -> Iterator[Observation]:
+    """rounding: {site: RmsNormCheck} for the norms fed a dumped tensor (teacher forcing), none in free mode."""
     tf = getattr(res, "transforms", None) or {}
     why = getattr(res, "missing", None) or {}
+    rounding = rounding or {}
     for site in sites_for_config(s.config, i, recorded_inputs=True):
         pt = Point(phase, step, i, site)
         ref = _read(s, pt)
         yield Observation(pt, ref, pts.get(site), s.mode, positions=positions, expert_bias=bias,
-                          transform=tf.get(site), why_absent=why.get(site), shadow=_shadow_of(shadow, site))
+                          transform=tf.get(site), why_absent=why.get(site), shadow=_shadow_of(shadow, site),
+                          rounding=rounding.get(site))
         if forced_pts is not None and site in ROUTER_DOWNSTREAM:
             yield Observation(pt, ref, forced_pts.get(site), s.mode, forced=True, positions=positions,
                               expert_bias=bias, transform=tf.get(site), shadow=_shadow_of(forced_shadow, site))
@@ -114,8 +117,10 @@ def observe_layer(s: Session, i: int) -> Iterator[Observation]:
             # way turns a semantic difference into a failure)
             forced_shadow = None if forced_pts is None else _run_shadows(
                 s, shadows, i, phase, step, hidden, positions, forced_pts, ref_topk, states=shadow_states)
+            # the input norm is fed the dumped layer input here: its rounding check holds as in isolated mode
+            rounding = {"input_layernorm": _norm_check(cfg, i, "input_layernorm", {"input": hidden}, hf)}
             yield from _layer_observations(s, phase, step, i, pts, forced_pts, bias, positions, res, shadow,
-                                           forced_shadow)
+                                           forced_shadow, rounding)
     finally:
         s.target.unload_layer(i)
         for t, _ in (shadows or {}).values():
@@ -302,7 +307,7 @@ def _norm_check(cfg, i: int, site: str, inputs: dict, hf: dict):
 
 def _final_norm_check(cfg, x: np.ndarray, hf: dict):
     """The rounding check of the model's final RMSNorm (facts §6: rms_norm_eps) fed the dumped last-layer output, for
-    bf16 rows; else None. The judge applies it where the rule sets `norm_scale_noise` (isolated mode)."""
+    bf16 rows; else None. The judge applies it where the rule sets `norm_scale_noise` (isolated, layer, forced)."""
     from parity.numerics.rounding import RmsNormCheck
 
     w = hf.get("model.norm.weight")
