@@ -139,6 +139,11 @@ def summary_text(report: dict, *, max_rows: int = 60) -> str:
         lines.append(f"  first divergence: {_loc(fd)}  max {fd.get('max_ulp')} ULP, rel-L2 {_fmt(fd.get('rel_l2'))}, "
                      f"worst at {fd.get('worst_index')} (ref {_fmt(fd.get('worst_ref'), '.6g')}, "
                      f"test {_fmt(fd.get('worst_test'), '.6g')})")
+        rnd = fd.get("rounding") or {}
+        if rnd.get("outside"):  # failed by the RMSNorm rounding check, which its ULP statistics do not show
+            lines.append(f"  rounding check: {rnd['outside']} element(s) outside what fp32 rounding of the RMSNorm "
+                         f"formula gives, first at {rnd.get('index')} (test {_fmt(rnd.get('test'), '.6g')}, dump "
+                         f"{_fmt(rnd.get('ref'), '.6g')})")
         lines.append(f"  source: {_loc(src)} — the error starts there; later failures inherit it")
     rows = layer_table(report)
     lines.append(f"  {'phase':<8}{'step':>5}{'layer':>7}{'points':>8}{'fail':>6}{'benign':>7}{'max ULP':>9}"

@@ -72,3 +72,18 @@ def test_reports_render_and_roundtrip(tmp_path):
     assert "1 point(s) changed" in d or "point(s) changed" in d
     assert "prefill/L03/attention.core: fail 400 ULP -> pass 0 ULP" in d
     assert html_page(ok).count("HERE") == 0
+
+
+def test_summary_names_a_rounding_check_failure():
+    # a point failed by the RMSNorm rounding check has max 0 ULP after the floor: the summary says what failed it
+    recs = _records({(2, "input_layernorm"): 0})
+    for r in recs:
+        if r["layer"] == 2 and r["site"] == "input_layernorm":
+            r["status"] = "fail"
+            r["rounding"] = {"applied": True, "outside": 7, "elements": 640, "index": [0, 3, 5], "test": -0.84765625,
+                             "ref": -0.84375}
+    text = summary_text(build_report(CFG, recs, dump="d.h5", target="t", mode="layer"))
+    assert "rounding check: 7 element(s) outside what fp32 rounding of the RMSNorm formula gives, first at [0, 3, 5] " \
+           "(test -0.847656, dump -0.84375)" in text
+    assert "rounding check" not in summary_text(build_report(CFG, _records({(3, "attention.core"): 400}), dump="d.h5",
+                                                             target="t", mode="layer"))
