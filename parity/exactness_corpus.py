@@ -28,8 +28,9 @@ MAX_RATE = 0.5  # a class whose correct rows are inexact this often gains nothin
 SCALE_MARGIN = 4.0  # norm_scale_noise = this × the largest a corpus point needed (two steps of the grid above it) ...
 SCALE_FLOOR = 1.0  # ... and at least u·√n, an fp32 sum's typical relative error (a corpus that needed 0 proves little)
 # RMSNorm sites whose input, under teacher forcing (layer/forced modes), is itself a dumped tensor: a layer's input
-# norm (fed the dumped layer input) and the model's final norm (fed the dumped last-layer output)
-TEACHER_FORCED_NORMS = ("input_layernorm", "final_norm")
+# norm (fed the dumped layer input), the model's final norm (fed the dumped last-layer output) and an MTP layer's
+# enorm / hnorm (fed the dumped MTP embedding and the dumped final norm; facts §2)
+TEACHER_FORCED_NORMS = ("input_layernorm", "final_norm", "enorm", "hnorm")
 ROW_COUNT_RULE = ToleranceRule(floor_ulps=0, max_ulps=0, allowed_fraction=1.0, hard_ulps=None)  # only the row counts
 
 
@@ -144,14 +145,18 @@ def rates_toml(rates: dict, header: str, scale_noise: dict | None = None) -> str
                       'compute = "bfloat16"', f"inexact_row_rate = {exactness.nice_rate(d.rate):.2g}"]
             lines += [f"norm_scale_noise = {c:g}"] if c is not None else []
             lines += [f'note = "exactness rate: {cls}, isolated"', ""]
-    forced = [(site, scale_noise[site]) for site in TEACHER_FORCED_NORMS if scale_noise.get(site, (None,))[0] is not None]
-    if forced:
+    # one pooled value for every RMSNorm (derive_scale_noise): MTP's enorm / hnorm, which isolated replays (the
+    # corpus) never run, take it too — the same formula
+    values = {c for c, _ in scale_noise.values() if c is not None}
+    if len(values) == 1:
+        c = values.pop()
         lines += ["# Teacher forcing (layer, forced modes) feeds these norms their dumped inputs as isolated mode does, so",
                   "# their rounding check holds there with the same value (the replay supplies it only where the input",
-                  "# is the dump's: never in free mode)."]
-    for site, (c, _) in forced:
-        lines += ["[[rule]]", f'site = "{site}"', 'mode = "*"', 'dtype = "bfloat16"', 'compute = "bfloat16"',
-                  f"norm_scale_noise = {c:g}", 'note = "rounding check: teacher-forced input"', ""]
+                  "# is the dump's: never in free mode). MTP's enorm / hnorm have no corpus points (isolated replays do",
+                  "# not run MTP layers): the value pooled over every RMSNorm of the corpus, the same formula."]
+        for site in TEACHER_FORCED_NORMS:
+            lines += ["[[rule]]", f'site = "{site}"', 'mode = "*"', 'dtype = "bfloat16"', 'compute = "bfloat16"',
+                      f"norm_scale_noise = {c:g}", 'note = "rounding check: teacher-forced input"', ""]
     return "\n".join(lines) + "\n"
 
 

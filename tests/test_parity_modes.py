@@ -38,15 +38,19 @@ def test_bundled_dump_passes_in_isolated_mode(dump):
 
 @pytest.mark.parametrize("dump", sorted((ROOT / "dumps").glob("*bf16.h5")), ids=lambda p: p.stem)
 def test_rounding_check_applies_under_teacher_forcing(dump):
-    # layer mode (pytest parity's default) feeds input_layernorm and final_norm dumped tensors: their rounding check
-    # must apply at every such point of each bundled bf16 dump, the dump inside its brackets and the reference too
+    # layer mode (pytest parity's default) feeds input_layernorm, final_norm and an MTP layer's enorm / hnorm dumped
+    # tensors: their rounding check must apply at every such point of each bundled bf16 dump, the dump inside its
+    # brackets and the reference too
     from parity.replay import run_replay
 
     rep = run_replay(dump)
-    norms = [p for p in rep["points"] if p["site"] in ("input_layernorm", "final_norm") and p["status"] != "skipped"]
+    fed = ("input_layernorm", "final_norm", "MTP0/enorm", "MTP0/hnorm")
+    norms = [p for p in rep["points"] if p["site"] in fed and p["status"] != "skipped"]
     bad = [(p["phase"], p["step"], p["layer"], p["site"], p.get("rounding")) for p in norms
            if not (p.get("rounding") or {}).get("applied") or p["rounding"]["outside"]]
     assert rep["passed"] and norms and not bad, bad[:3]
+    if "official" in dump.stem:  # the bundled dump with an MTP layer
+        assert {p["site"] for p in norms} == set(fed), {p["site"] for p in norms}
 
 
 def test_layer_and_isolated_in_one_run(tmp_path):

@@ -107,9 +107,9 @@ def test_bracket_holds_every_scale_in_between():
 
 def test_default_table_checks_rmsnorm_sites_only_where_fed_dumped_inputs_in_bf16():
     t = default_rules()
-    fed_in_layer_mode = ("input_layernorm", "final_norm")  # teacher forcing feeds them dumped tensors
+    fed_in_layer_mode = ("input_layernorm", "final_norm", "enorm", "hnorm")  # teacher forcing feeds them dumped tensors
     for site in ("input_layernorm", "post_attention_layernorm", "attention.q_a_layernorm", "attention.kv_a_layernorm",
-                 "final_norm"):
+                 "final_norm", "enorm", "hnorm"):
         assert t.rule_for(site, "isolated", "bfloat16", "bfloat16").norm_scale_noise is not None, site
         for mode in ("layer", "forced"):
             got = t.rule_for(site, mode, "bfloat16", "bfloat16").norm_scale_noise

@@ -316,6 +316,17 @@ def _final_norm_check(cfg, x: np.ndarray, hf: dict):
     return RmsNormCheck(x, w, cfg.rms_norm_eps)
 
 
+def _mtp_norm_check(cfg, i: int, name: str, x: np.ndarray, hf: dict):
+    """The rounding check of MTP layer i's enorm / hnorm (RMSNorm with rms_norm_eps, as the official MTP layer builds
+    them) fed a dumped tensor, for bf16 rows; else None."""
+    from parity.numerics.rounding import RmsNormCheck
+
+    w = hf.get(f"model.layers.{i}.{name}.weight")
+    if w is None or np.asarray(x).dtype.name != "bfloat16":
+        return None
+    return RmsNormCheck(x, w, cfg.rms_norm_eps)
+
+
 def _step_len(s: Session, phase: str, step: int, i: int) -> int:
     p = Point(phase, step, i, "input")
     if s.dump.has(p):
@@ -429,11 +440,13 @@ def observe_mtp(s: Session, j: int) -> Iterator[Observation]:
                                          hidden, positions, prev_state, forced_topk=ref_topk).points)
             tf = getattr(res, "transforms", None) or {}
             why = getattr(res, "missing", None) or {}
+            # enorm / hnorm are fed the dumped embedding and final norm: their rounding check holds (facts §2, §6)
+            rounding = {n: _mtp_norm_check(cfg, i, n, x, hf) for n, x in (("enorm", emb), ("hnorm", hidden))}
             for site in sites:
                 p = pt(phase, step, site)
                 ref = _read(s, p)
                 yield Observation(p, ref, pts.get(site), s.mode, positions=positions, expert_bias=bias,
-                                  transform=tf.get(site), why_absent=why.get(site))
+                                  transform=tf.get(site), why_absent=why.get(site), rounding=rounding.get(site))
                 if forced_pts is not None and site in ROUTER_DOWNSTREAM:
                     yield Observation(p, ref, forced_pts.get(site), s.mode, forced=True, positions=positions,
                                       expert_bias=bias, transform=tf.get(site))
