@@ -198,7 +198,8 @@ def observe_model_points(s: Session) -> Iterator[Observation]:
             for site in ("final_norm", "logits"):
                 pt = Point(phase, step, None, site)
                 yield Observation(pt, _read(s, pt), head.get(site), s.mode,
-                                  rounding=_final_norm_check(s.config, x, hf) if site == "final_norm" else None)
+                                  rounding=_rms_check(x, hf.get("model.norm.weight"), s.config.rms_norm_eps)
+                                  if site == "final_norm" else None)
 
 
 def observe_free(s: Session, progress=None) -> Iterator[Observation]:
@@ -293,38 +294,23 @@ def _add_in_dtype(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _norm_check(cfg, i: int, site: str, inputs: dict, hf: dict):
-    """The rounding check (parity.numerics.rounding) of an RMSNorm site fed bf16 rows, else None."""
+    """The rounding check of layer i's RMSNorm `site` fed its dumped inputs (bf16 rows), else None."""
+    spec = _NORM_SITES.get(site)
+    if spec is None:
+        return None
+    return _rms_check(spec[1](cfg, inputs), hf.get(f"model.layers.{i}.{site}.weight"), spec[0](cfg))
+
+
+def _rms_check(x: np.ndarray, w: np.ndarray | None, eps: float):
+    """The rounding check (parity.numerics.rounding) of an RMSNorm with weight w fed the dumped rows x, where x is
+    bf16 and the weight exists; else None. The judge applies it where the rule sets `norm_scale_noise`. Used for the
+    layer norms (`_NORM_SITES`), the model's final norm and an MTP layer's enorm / hnorm (facts §6, §2:
+    rms_norm_eps)."""
     from parity.numerics.rounding import RmsNormCheck
 
-    spec, w = _NORM_SITES.get(site), hf.get(f"model.layers.{i}.{site}.weight")
-    if spec is None or w is None:
-        return None
-    x = spec[1](cfg, inputs)
-    if np.asarray(x).dtype.name != "bfloat16":
-        return None
-    return RmsNormCheck(x, w, spec[0](cfg))
-
-
-def _final_norm_check(cfg, x: np.ndarray, hf: dict):
-    """The rounding check of the model's final RMSNorm (facts §6: rms_norm_eps) fed the dumped last-layer output, for
-    bf16 rows; else None. The judge applies it where the rule sets `norm_scale_noise` (isolated, layer, forced)."""
-    from parity.numerics.rounding import RmsNormCheck
-
-    w = hf.get("model.norm.weight")
     if w is None or np.asarray(x).dtype.name != "bfloat16":
         return None
-    return RmsNormCheck(x, w, cfg.rms_norm_eps)
-
-
-def _mtp_norm_check(cfg, i: int, name: str, x: np.ndarray, hf: dict):
-    """The rounding check of MTP layer i's enorm / hnorm (RMSNorm with rms_norm_eps, as the official MTP layer builds
-    them) fed a dumped tensor, for bf16 rows; else None."""
-    from parity.numerics.rounding import RmsNormCheck
-
-    w = hf.get(f"model.layers.{i}.{name}.weight")
-    if w is None or np.asarray(x).dtype.name != "bfloat16":
-        return None
-    return RmsNormCheck(x, w, cfg.rms_norm_eps)
+    return RmsNormCheck(x, w, eps)
 
 
 def _step_len(s: Session, phase: str, step: int, i: int) -> int:
@@ -441,7 +427,8 @@ def observe_mtp(s: Session, j: int) -> Iterator[Observation]:
             tf = getattr(res, "transforms", None) or {}
             why = getattr(res, "missing", None) or {}
             # enorm / hnorm are fed the dumped embedding and final norm: their rounding check holds (facts §2, §6)
-            rounding = {n: _mtp_norm_check(cfg, i, n, x, hf) for n, x in (("enorm", emb), ("hnorm", hidden))}
+            rounding = {n: _rms_check(x, hf.get(f"model.layers.{i}.{n}.weight"), cfg.rms_norm_eps)
+                        for n, x in (("enorm", emb), ("hnorm", hidden))}
             for site in sites:
                 p = pt(phase, step, site)
                 ref = _read(s, p)
