@@ -49,6 +49,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="behaviour of the reference target on the semantic forks (SwiGLU clamp, KDA gate/beta "
                      "precision): the dump's recorded runtime (default) or the model's intended one; where the dump "
                      "departs, differences the fork explains are reported as `semantic`, not failures")
+    g.addoption("--parity-strict-variants", action="store_true", default=False,
+                help="fail points that match a named implementation variant (e.g. an RMSNorm that rounds once, "
+                     "bf16(x·(r·w))) instead of reporting them as `variant` (counted as passing): for bit parity "
+                     "with HF")
     g.addoption("--parity-stall-timeout", default=None, type=float, metavar="SECONDS",
                 help="a target call (one layer, step, method) that has not returned after this long fails, naming it, "
                      "with every thread's Python and native stacks (default 600; 0 = no limit)")
@@ -166,7 +170,8 @@ class ParitySession:
                          mode=entry.mode, rules=self.rules(),
                          mesh=getattr(self.config, "_parity_mesh", None),  # mesh built in pytest_configure
                          layers=None if layers is None else sorted(layers), watchdog=self.watchdog(),
-                         semantics=opt("--parity-semantics"))
+                         semantics=opt("--parity-semantics"),
+                         strict_variants=opt("--parity-strict-variants"))
         self.sessions[entry.run] = s
         return s
 
@@ -481,7 +486,7 @@ def _is_worker(config) -> bool:
     return hasattr(config, "workerinput")
 
 
-COMPARED = ("pass", "fail", "benign", "semantic")
+COMPARED = ("pass", "fail", "benign", "semantic", "variant")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:

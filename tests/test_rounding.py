@@ -149,10 +149,11 @@ def test_judge_fails_a_point_outside_and_passes_it_inside(tmp_path):
     assert rec_unchecked.status == Status.PASS  # without the check the same point passes: the check is what fails it
 
 
-def test_final_norm_is_checked_and_a_fused_single_rounding_there_fails():
+def test_final_norm_is_checked_and_a_fused_single_rounding_there_is_a_named_variant():
     """The model's final RMSNorm (fed the dumped last-layer output) gets the check too: on a bundled bf16 dump in
     isolated mode it applies at every step with nothing outside; a head whose final norm rounds once, bf16(w·x·r)
-    as a fused kernel would (the facts-§6 formula rounds x·r to bf16 first), falls outside at every step."""
+    as a fused kernel would (the facts-§6 formula rounds x·r to bf16 first), falls outside at every step — and is
+    reported as the named variant `rmsnorm-single-rounding` (passing), a failure under strict variants."""
     from parity.replay import run_replay
     from parity.targets.reference import ReferenceTarget
 
@@ -169,10 +170,15 @@ def test_final_norm_is_checked_and_a_fused_single_rounding_there_fails():
             return out
 
     dump = Path(__file__).resolve().parents[1] / "dumps" / "tiny-flash-bf16.h5"
-    ok = [p for p in run_replay(dump, mode="isolated", layers=[])["points"] if p["site"] == "final_norm"]
-    bad = [p for p in run_replay(dump, mode="isolated", layers=[], target=FusedFinalNorm)["points"]
-           if p["site"] == "final_norm"]
-    assert len(ok) == len(bad) == 5  # prefill + 4 decode steps
+
+    def final(**kw):
+        return [p for p in run_replay(dump, mode="isolated", layers=[], **kw)["points"] if p["site"] == "final_norm"]
+
+    ok, var, strict = final(), final(target=FusedFinalNorm), final(target=FusedFinalNorm, strict_variants=True)
+    assert len(ok) == len(var) == len(strict) == 5  # prefill + 4 decode steps
     assert all(p["status"] == "pass" and p["rounding"]["applied"] and p["rounding"]["outside"] == 0 for p in ok), ok
-    assert all(p["status"] == "fail" and p["rounding"]["outside"] > 0 for p in bad), [p["status"] for p in bad]
-    assert all(p["max_ulp_raw"] <= 1 for p in bad)  # 1-ULP differences: what the bracket, not a ULP bound, pins
+    for p in var + strict:
+        assert p["rounding"]["outside"] > 0 and p["max_ulp_raw"] <= 1  # 1-ULP differences: the bracket pins them
+        assert p["variant"]["name"] == "rmsnorm-single-rounding", p.get("variant")
+    assert all(p["status"] == "variant" for p in var), [p["status"] for p in var]
+    assert all(p["status"] == "fail" and "--parity-strict-variants" in p["message"] for p in strict), strict

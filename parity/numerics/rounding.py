@@ -38,16 +38,11 @@ def rho_for(scale_noise: float, n: int) -> float:
 
 def rms_norm_bracket(x: np.ndarray, w: np.ndarray, eps: float, rho: float) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi), float32 arrays of x's shape: the bf16 outputs of `bf16(w · bf16(x_f32 · r'))` over every row scale r'
-    within relative `rho` of the exact rsqrt(mean(x²) + eps) (float64 from the bf16 input x). w: the norm weight [n]."""
-    x32 = np.asarray(x).astype(np.float32)
-    x64 = x32.astype(np.float64)
-    r = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
-    w32 = np.asarray(w).astype(BF16).astype(np.float32)  # the weight as the model holds it (bf16)
-    ends = []
-    for r_end in (r * (1.0 - rho), r * (1.0 + rho)):
-        u = (x32 * r_end.astype(np.float32)).astype(BF16).astype(np.float32)  # fp32 product, cast to bf16
-        ends.append((w32 * u).astype(BF16).astype(np.float32))  # bf16 × bf16 is exact in fp32, then one rounding
-    return np.minimum(*ends), np.maximum(*ends)
+    within relative `rho` of the exact rsqrt(mean(x²) + eps) (float64 from the bf16 input x). w: the norm weight [n]
+    (the model holds it in bf16; bf16 × bf16 is exact in fp32, then one rounding)."""
+    from parity.numerics.variants import _hf, bracket
+
+    return bracket(_hf, x, w, eps, rho)
 
 
 def outside(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -82,6 +77,13 @@ class RmsNormCheck:
 
     def rho(self, scale_noise: float) -> float:
         return rho_for(scale_noise, self.x.shape[-1])
+
+    def variant(self, test: np.ndarray, scale_noise: float):
+        """The named RMSNorm variant (parity.numerics.variants) whose bracket holds every element of `test` under the
+        same row-scale tolerance, else None."""
+        from parity.numerics.variants import matching_variant
+
+        return matching_variant(self.x, self.w, self.eps, self.rho(scale_noise), test)
 
     def check(self, ref: np.ndarray, test: np.ndarray, scale_noise: float) -> dict:
         """The report entry: `applied` False (with `why`) where the dump itself lies outside the bracket — the check

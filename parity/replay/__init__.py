@@ -40,7 +40,7 @@ def replay_records(session: Session, layers=None, progress: Callable[[str], None
 
 def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", rules=None,
                layers=None, progress: Callable[[str], None] | None = None, mesh=None,
-               stall_timeout: float | None = None, semantics: str = "dump") -> dict:
+               stall_timeout: float | None = None, semantics: str = "dump", strict_variants: bool = False) -> dict:
     """Programmatic replay of a whole dump: returns the report dict (`parity.report.build_report`).
 
     ckpt_dir defaults to the bundled checkpoint with the dump's fingerprint; target defaults to the reference target
@@ -48,7 +48,9 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
     string such as "4x2") is handed to the target's build; stall_timeout (seconds, default
     `watchdog.DEFAULT_LIMIT_S`; 0 = none) bounds every target call (`parity.replay.watchdog`); semantics ("dump" or
     "intended", `--parity-semantics`) is the behaviour on the semantic forks a reference the replay constructs
-    follows (parity/semantics.py). `pytest parity` does the same thing point by point.
+    follows (parity/semantics.py); strict_variants (`--parity-strict-variants`) fails a point that matches a named
+    implementation variant (parity.numerics.variants) instead of reporting it as `variant`. `pytest parity` does the
+    same thing point by point.
     """
     from parity.replay.watchdog import DEFAULT_LIMIT_S, Watchdog
 
@@ -58,7 +60,8 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
     from parity.semantics import report_section
 
     with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=rules, mesh=mesh,
-                      layers=None if layers is None else list(layers), watchdog=wd, semantics=semantics) as s:
+                      layers=None if layers is None else list(layers), watchdog=wd, semantics=semantics,
+                      strict_variants=strict_variants) as s:
         records = [r.to_json() for r in replay_records(s, layers, progress)]
         rep = build_report(s.config, records, dump=str(dump_path), target=getattr(s.target, "name", "?"),
                            mode=mode, extra={"semantics": report_section(s.dump.semantics, semantics, records)})

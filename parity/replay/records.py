@@ -23,6 +23,7 @@ class Status(str, enum.Enum):
     FAIL = "fail"
     BENIGN = "benign"  # routing differs only where the reference's own margin is within the router-score noise
     SEMANTIC = "semantic"  # differs where the dump's runtime departs from the model's intended semantics
+    VARIANT = "variant"  # a named, legitimate implementation variant (parity.numerics.variants): counted as passing
     SKIPPED = "skipped"  # not compared, with a reason (declared unavailable, not produced by the target, ...)
     NOT_TESTED = "not-tested"  # deselected by the user (layers, -k): listed, never compared
     MISSING = "missing"  # the target produces the point but the dump lacks it
@@ -64,6 +65,10 @@ class Observation:
     # array from a reference following the dump's semantics and from one following the intended ones
     # ({"dump": arr, "intended": arr, "forks": [names]}); the judge classifies a failure they explain as `semantic`
     shadow: dict | None = field(default=None, repr=False)
+    # where the target matched a named implementation variant upstream in this layer (parity.numerics.variants): the
+    # site's array from the reference computing that variant ({"variant": {...}, "at": point key, "array": arr});
+    # the judge classifies a failure it explains as `variant` (inherited), never as the first divergence
+    variant_shadow: dict | None = field(default=None, repr=False)
 
 
 @dataclass

@@ -91,6 +91,7 @@ class Session:
     dtype: str = "bfloat16"
     watchdog: Any = None  # parity.replay.watchdog.Watchdog; None: the default limit
     semantics: str = "dump"  # which behaviour on the semantic forks the reference follows: "dump" | "intended"
+    strict_variants: bool = False  # named implementation variants (parity.numerics.variants) fail instead of passing
 
     def __post_init__(self) -> None:
         check_mode(self.mode, self.target)
@@ -140,6 +141,23 @@ class Session:
             self._shadows[which] = t
         return self._shadows[which]
 
+    def variant_shadow(self, variant: str):
+        """A built reference target computing the named variant `variant` (parity.numerics.variants) and otherwise
+        following the dump's semantics as the session's reference does; None where none is planted for it. The
+        replay runs it beside a layer whose target matched the variant, so that points downstream of the variant are
+        judged against what the variant itself gives (status `variant`) rather than failed for inheriting it."""
+        from parity.targets.mutants import PLANT_OF_VARIANT, MutantTarget
+
+        plant = PLANT_OF_VARIANT.get(variant)
+        if plant is None:
+            return None
+        key = f"variant:{variant}"
+        if key not in self._shadows:
+            t = MutantTarget(plant, **self.fork_options("dump"))
+            t.build(self.config, self.dtype)
+            self._shadows[key] = t
+        return self._shadows[key]
+
     def call(self, what: str, fn, *args, **kwargs):
         """A target call under the session's watchdog: a stall is a StallError naming the dump, what was called
         (layer, phase, step, method) and the file with every thread's stacks."""
@@ -147,7 +165,8 @@ class Session:
 
     @classmethod
     def open(cls, dump, ckpt_dir: str | Path | None = None, *, target=None, mode: str = "layer", rules=None,
-             mesh=None, layers: list[int] | None = None, watchdog=None, semantics: str = "dump") -> "Session":
+             mesh=None, layers: list[int] | None = None, watchdog=None, semantics: str = "dump",
+             strict_variants: bool = False) -> "Session":
         """Open a dump (path or DumpReader), find its checkpoint, resolve and build the target ('reference' by
         default; a name as `--parity-target` takes, a Target class or instance), with the default rules unless
         given. `mesh`: a jax Mesh or a `--parity-mesh` spec such as "4x2". The session owns a dump it opened.
@@ -180,7 +199,7 @@ class Session:
                 raise TargetError(f"target {getattr(tgt, 'name', type(tgt).__name__)!r}: build({reader.path.name} "
                                   f"config, {dtype}) raised {type(e).__name__}: {_first_line(e)}") from None
             s = cls(dump=reader, ckpt=ckpt, target=tgt, rules=rules or default_rules(), mode=mode, dtype=dtype,
-                    watchdog=watchdog, semantics=semantics)
+                    watchdog=watchdog, semantics=semantics, strict_variants=strict_variants)
         except BaseException:
             if owned:
                 reader.close()

@@ -49,8 +49,11 @@ def _positions(s: Session, phase: str, step: int, T: int) -> np.ndarray:
 
 def _layer_observations(s: Session, phase: str, step: int, i: int, pts: dict, forced_pts: dict | None, bias,
                         positions, res=None, shadow: dict | None = None,
-                        forced_shadow: dict | None = None, rounding: dict | None = None) -> Iterator[Observation]:
-    """rounding: {site: RmsNormCheck} for the norms fed a dumped tensor (teacher forcing), none in free mode."""
+                        forced_shadow: dict | None = None, rounding: dict | None = None,
+                        variant_shadow: dict | None = None,
+                        forced_variant_shadow: dict | None = None) -> Iterator[Observation]:
+    """rounding: {site: RmsNormCheck} for the norms fed a dumped tensor (teacher forcing), none in free mode;
+    variant_shadow: the points of the reference computing the named variant the target matched (`_variant_shadow`)."""
     tf = getattr(res, "transforms", None) or {}
     why = getattr(res, "missing", None) or {}
     rounding = rounding or {}
@@ -59,16 +62,47 @@ def _layer_observations(s: Session, phase: str, step: int, i: int, pts: dict, fo
         ref = _read(s, pt)
         yield Observation(pt, ref, pts.get(site), s.mode, positions=positions, expert_bias=bias,
                           transform=tf.get(site), why_absent=why.get(site), shadow=_shadow_of(shadow, site),
-                          rounding=rounding.get(site))
+                          rounding=rounding.get(site), variant_shadow=_variant_of(variant_shadow, site))
         if forced_pts is not None and site in ROUTER_DOWNSTREAM:
             yield Observation(pt, ref, forced_pts.get(site), s.mode, forced=True, positions=positions,
-                              expert_bias=bias, transform=tf.get(site), shadow=_shadow_of(forced_shadow, site))
+                              expert_bias=bias, transform=tf.get(site), shadow=_shadow_of(forced_shadow, site),
+                              variant_shadow=_variant_of(forced_variant_shadow, site))
 
 
 def _shadow_of(shadow: dict | None, site: str) -> dict | None:
     if shadow is None:
         return None
     return {"dump": shadow["dump"].get(site), "intended": shadow["intended"].get(site), "forks": shadow["forks"]}
+
+
+def _variant_of(vs: dict | None, site: str) -> dict | None:
+    if vs is None or vs["points"].get(site) is None:
+        return None
+    return {"variant": vs["variant"], "at": vs["at"], "array": vs["points"][site]}
+
+
+def _variant_shadow(s: Session, i: int, hf: dict, phase: str, step: int, check, test) -> list | None:
+    """[variant, loaded reference computing it, its state, point key] where the target's input norm of this first
+    step fails the rounding check but matches a named variant (parity.numerics.variants), else None. Its differences
+    are inherited by everything after the norm in the layer; the judge compares those points with this shadow too."""
+    if check is None or test is None or s.strict_variants:
+        return None
+    pt = Point(phase, step, i, "input_layernorm")
+    rule = s.rules.rule_for("input_layernorm", s.mode, s.dump.dtype(pt), s.dtype)
+    if rule.norm_scale_noise is None or not s.dump.has(pt):
+        return None
+    test = np.asarray(test)
+    if test.dtype.name != "bfloat16":
+        return None
+    entry = check.check(s.dump.read(pt), test, rule.norm_scale_noise)
+    if not entry.get("applied") or not entry.get("outside"):
+        return None
+    v = check.variant(test, rule.norm_scale_noise)
+    t = None if v is None else s.variant_shadow(v.name)
+    if t is None:
+        return None
+    s.call(f"layer {i}: load_layer (reference with variant {v.name})", t.load_layer, i, hf)
+    return [v, t, None, pt.key()]
 
 
 def _points(res, hidden=None) -> dict:
@@ -89,6 +123,7 @@ def observe_layer(s: Session, i: int) -> Iterator[Observation]:
     can_force = "forced_routing" in s.target.capabilities
     state = None
     shadows = _load_shadows(s, i, hf)  # {which: [target or None, state]} where a semantic fork changes layer i
+    variant, first = None, True  # the named variant the target's input norm matched at the first step (its shadow)
     try:
         for phase, step in s.steps():
             inp = Point(phase, step, i, "input")
@@ -119,10 +154,28 @@ def observe_layer(s: Session, i: int) -> Iterator[Observation]:
                 s, shadows, i, phase, step, hidden, positions, forced_pts, ref_topk, states=shadow_states)
             # the input norm is fed the dumped layer input here: its rounding check holds as in isolated mode
             rounding = {"input_layernorm": _norm_check(cfg, i, "input_layernorm", {"input": hidden}, hf)}
+            if first:
+                variant = _variant_shadow(s, i, hf, phase, step, rounding["input_layernorm"],
+                                          pts.get("input_layernorm"))
+                first = False
+            vshadow = forced_vshadow = None
+            if variant is not None:
+                what = f"layer {i} {phase} step {step}: layer_forward (reference with variant {variant[0].name}"
+                v_prev = variant[2]
+                r = s.call(what + ")", variant[1].layer_forward, i, hidden, positions, v_prev,
+                           forced_topk=ref_topk if forcing else None)
+                variant[2] = r.state
+                vshadow = {"variant": variant[0].to_dict(), "at": variant[3], "points": _points(r, hidden)}
+                if forced_pts is not None:  # the router's downstream points are judged on the forced run
+                    r = s.call(what + ", forced routing)", variant[1].layer_forward, i, hidden, positions, v_prev,
+                               forced_topk=ref_topk)
+                    forced_vshadow = dict(vshadow, points=_points(r, hidden))
             yield from _layer_observations(s, phase, step, i, pts, forced_pts, bias, positions, res, shadow,
-                                           forced_shadow, rounding)
+                                           forced_shadow, rounding, vshadow, forced_vshadow)
     finally:
         s.target.unload_layer(i)
+        if variant is not None:
+            variant[1].unload_layer(i)
         for t, _ in (shadows or {}).values():
             if t is not None:
                 t.unload_layer(i)

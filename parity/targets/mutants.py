@@ -612,14 +612,76 @@ MUTATIONS: dict[str, Mutation] = {m.name: m for m in [
 ]}
 
 
+# Planted *variants* (issue 25): legitimate implementation choices, not bugs. A replay must report them as status
+# `variant` with the variant's name (parity.numerics.variants), passing, and fail them only under
+# `--parity-strict-variants`. Kept apart from MUTATIONS (whose every entry must fail).
+def _rms_norm_fused_scale(x, w, eps):
+    """sglang-jax's RMSNorm (srt/layers/layernorm.py `_normalize`): statistics in fp32 as the reference, but the
+    weight folded into the fp32 row scale and one rounding, bf16(x·(r·w)), where facts §6 rounds x·r first."""
+    import jax
+    import jax.numpy as jnp
+
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (r * w.astype(jnp.float32))).astype(x.dtype)
+
+
+def _rms_norm_single_rounding(x, w, eps):
+    """A fused RMSNorm kernel that keeps x·r in fp32 and rounds once after the weight: bf16((x·r)·w)."""
+    import jax
+    import jax.numpy as jnp
+
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return ((xf * r) * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def _plant_norm(fn):
+    """Patches putting `fn` in place of every plain RMSNorm of a decoder layer: the input / post-attention norms
+    (layer.py) and the MLA q_a / kv_a LoRA norms (mla.py), as a port with one RMSNorm class has it."""
+    def patches():
+        _, layer, mla, _ = _mods()
+        return {(layer, "rms_norm"): fn, (mla, "rms_norm"): fn}
+    return patches
+
+
+def _i_plant_norm(fn):
+    """Isolated mode: the same norm at the layer-norm sites (the MLA norms share mla.rms_norm's patch)."""
+    def sites():
+        def inp(p, x, st, spec):
+            return fn(x["input"], p["input_layernorm"], spec.model.eps)
+
+        def post(p, x, st, spec):
+            return fn(x["input"] + x["attention"], p["post_attention_layernorm"], spec.model.eps)
+
+        return {("*", "input_layernorm"): inp, ("*", "post_attention_layernorm"): post}
+    return sites
+
+
+VARIANT_PLANTS: dict[str, Mutation] = {m.name: m for m in [
+    Mutation("rmsnorm_fused_scale", "the decoder layers' RMSNorms round once, bf16(x·(r·w)) (sglang-jax's form) → "
+             "named variant rmsnorm-single-rounding at input_layernorm (every RMSNorm site fed a dumped input)",
+             "tiny", _pre("input_layernorm", lambda cfg: 0), _plant_norm(_rms_norm_fused_scale),
+             isolated=_i_plant_norm(_rms_norm_fused_scale), cls="variant"),
+    Mutation("rmsnorm_single_rounding", "the decoder layers' RMSNorms round once after the weight, bf16(x·r·w) → "
+             "named variant rmsnorm-single-rounding at input_layernorm", "tiny", _pre("input_layernorm", lambda cfg: 0),
+             _plant_norm(_rms_norm_single_rounding), isolated=_i_plant_norm(_rms_norm_single_rounding),
+             cls="variant"),
+]}
+# parity.numerics.variants name -> the plant computing it (the replay's variant shadow: a difference downstream of a
+# variant point is the variant's own when the reference computing the variant matches the target there)
+PLANT_OF_VARIANT = {"rmsnorm-single-rounding": "rmsnorm_fused_scale"}
+
+
 class MutantTarget(ReferenceTarget):
     """The reference target with one catalogue bug injected (see the module doc for how)."""
 
     def __init__(self, mutation: str, *, ckpt_dir: str | Path | None = None, **kw) -> None:
         super().__init__(**kw)
-        if mutation not in MUTATIONS:
-            raise ValueError(f"unknown mutation {mutation!r}: expected one of {sorted(MUTATIONS)}")
-        self.mutation = MUTATIONS[mutation]
+        known = {**MUTATIONS, **VARIANT_PLANTS}
+        if mutation not in known:
+            raise ValueError(f"unknown mutation {mutation!r}: expected one of {sorted(known)}")
+        self.mutation = known[mutation]
         self.name = f"reference+{mutation}"
         self.ckpt_dir = ckpt_dir
         self._jit = None
@@ -681,4 +743,12 @@ class MutantTarget(ReferenceTarget):
         return self._iso_jit
 
 
-__all__ = ["Expected", "Mutation", "MUTATIONS", "MutantTarget", "patched"]
+class PlantedFusedScaleNorm(MutantTarget):
+    """The reference with sglang-jax's single-rounding RMSNorm planted (`VARIANT_PLANTS`), constructible without
+    arguments so that `--parity-target parity.targets.mutants:PlantedFusedScaleNorm` names it."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__("rmsnorm_fused_scale", **kw)
+
+
+__all__ = ["Expected", "Mutation", "MUTATIONS", "MutantTarget", "PlantedFusedScaleNorm", "VARIANT_PLANTS", "patched"]
