@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-from parity.replay.session import BUNDLED_DUMPS, target_info  # noqa: E402  (checkout or installed data files)
+from parity.replay.session import BUNDLED_DUMPS, dump_identity, target_info  # noqa: E402  (checkout or installed data files)
 RECORD_KEY = "parity_record"
 # `layer` works for every target; `isolated` needs the target's `isolated` capability (external ports often lack it),
 # so a run of both is asked for: `--parity-mode layer,isolated` (CI: tests/test_parity_modes.py)
@@ -525,7 +525,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
 
         rep = build_report(cfg, recs, dump=str(entry.path), target=config.getoption("--parity-target"),
                            mode=entry.mode, extra={"semantics": report_section(
-                               reader.semantics, config.getoption("--parity-semantics"), recs)})
+                               reader.semantics, config.getoption("--parity-semantics"), recs),
+                               **dump_identity(reader)})
         if not dump_compared:
             rep["passed"] = False
             rep["note"] = "no point of this dump was compared"
@@ -542,8 +543,24 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
         skipped.insert(0, f"FAILED: no point was compared ({n} parity point(s) ran: {statuses}"
                           + (f"; e.g. {reasons[0]}" if reasons else "") + ")")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    _triage(built)
     config._parity_built = built
     config._parity_report_skipped = skipped
+
+
+def _triage(built: list) -> None:
+    """fp32 + bf16 dumps of one checkpoint replayed in this run (same target and mode): each report of a pair gets
+    the per-site triage (parity.triage), rewritten in place."""
+    from parity.report import write_reports
+    from parity.triage import pairs, triage
+
+    paths = {id(rep): path for rep, path in built}
+    for fp32, bf16 in pairs([rep for rep, _ in built]):
+        tri = triage(fp32, bf16)
+        for rep in (fp32, bf16):
+            if "triage" not in rep:  # an fp32 dump paired with several bf16 dumps keeps the first triage
+                rep["triage"] = tri
+                write_reports(rep, paths[id(rep)])
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

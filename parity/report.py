@@ -88,6 +88,7 @@ def build_report(cfg, records: list[dict], *, dump: str, target: str, mode: str,
         "passed": fd is None and counts.get("missing", 0) == 0,
         "counts": counts,
         "first_divergence": fd,
+        "variants": variants_summary(ordered),
         "points": ordered,
         **(extra or {}),
     }
@@ -133,6 +134,9 @@ def summary_text(report: dict, *, max_rows: int = 60) -> str:
     """Terminal summary: verdict, first divergence and its source, per-layer table."""
     lines = [f"ling3-parity: dump {report['dump']} | target {report['target']} | mode {report['mode']} -> "
              + ("PASSED" if report["passed"] else "FAILED") + f"  {report.get('counts', {})}"]
+    tri = report.get("triage")
+    if tri and (tri.get("first_semantic") or tri.get("first_precision") or tri.get("variants")):
+        lines += triage_lines(tri)  # an fp32 + bf16 pair: lead with the first semantic, then the first precision error
     fd = report.get("first_divergence")
     if fd:
         src = fd["source"]
@@ -145,6 +149,7 @@ def summary_text(report: dict, *, max_rows: int = 60) -> str:
                          f"formula gives, first at {rnd.get('index')} (test {_fmt(rnd.get('test'), '.6g')}, dump "
                          f"{_fmt(rnd.get('ref'), '.6g')})")
         lines.append(f"  source: {_loc(src)} — the error starts there; later failures inherit it")
+    lines += variant_lines(report)
     rows = layer_table(report)
     lines.append(f"  {'phase':<8}{'step':>5}{'layer':>7}{'points':>8}{'fail':>6}{'benign':>7}{'max ULP':>9}"
                  f"{'rel-L2':>10}  first failing site")
@@ -157,6 +162,73 @@ def summary_text(report: dict, *, max_rows: int = 60) -> str:
     if len(rows) > max_rows:
         lines.append(f"  ... {len(rows) - max_rows} more rows in report.md")
     return "\n".join(lines)
+
+
+def triage_lines(tri: dict) -> list[str]:
+    """Terminal lines of a triage, leading with the first semantic error, then the first precision error, then
+    the variants."""
+    out = [f"  triage (fp32 {tri['fp32_dump']} + bf16 {tri['bf16_dump']}):"]
+    for key, what in (("first_semantic", "semantic  (fails on the fp32 dump: the formula differs)"),
+                      ("first_precision", "precision (passes fp32, fails bf16: less precision than the reference)")):
+        p = tri.get(key)
+        out.append(f"    first {what}: " + ("none" if p is None else
+                   f"{_loc(p)}  max {p.get('max_ulp')} ULP, rel-L2 {_fmt(p.get('rel_l2'))}"))
+    for v in tri.get("variants") or ():
+        shown = ", ".join(v["sites"][:6]) + (f", ... ({len(v['sites'])} sites)" if len(v["sites"]) > 6 else "")
+        more = len(v.get("inheriting_sites") or ())
+        out.append(f"    variant {v['name']} ({v['formula']}): {v['points']} point(s) at {shown}"
+                   + (f" (+{more} site(s) downstream inherit it)" if more else "") + " — counted as passing")
+    return out
+
+
+def triage_markdown(tri: dict) -> list[str]:
+    """report.md section: the leading errors and the per-site table."""
+    out = ["## Triage (fp32 + bf16)", "", f"fp32 dump `{tri['fp32_dump']}`, bf16 dump `{tri['bf16_dump']}`.", ""]
+    for key, what in (("first_semantic", "First semantic error (fails on fp32)"),
+                      ("first_precision", "First precision error (passes fp32, fails bf16)")):
+        p = tri.get(key)
+        out.append(f"- {what}: " + ("none" if p is None else
+                   f"`{_loc(p)}` — max {p.get('max_ulp')} ULP, rel-L2 {_fmt(p.get('rel_l2'))}"))
+    out += ["", "| layer | site | diagnosis | fp32 statuses | bf16 statuses |", "|---|---|---|---|---|"]
+    for s in tri["sites"]:
+        lay = "model" if s["layer"] is None else s["layer"]
+        out.append(f"| {lay} | {s['site']} | {s['diagnosis']} | {_counts(s['fp32'])} | {_counts(s['bf16'])} |")
+    return out + [""]
+
+
+def _counts(c: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(c.items())) or "-"
+
+
+def variants_summary(records: list[dict]) -> list[dict]:
+    """The report's `variants` section: per named variant (parity.numerics.variants), how many points matched it
+    directly (the rounding check's site) or inherited it (downstream in the layer), and where."""
+    out: dict[str, dict] = {}
+    for r in records:
+        if r.get("status") != "variant":
+            continue
+        v = r.get("variant") or {}
+        e = out.setdefault(v.get("name", "?"), {"name": v.get("name", "?"), "formula": v.get("formula"),
+                                                "seen": v.get("seen"), "direct": 0, "inherited": 0, "sites": []})
+        e["inherited" if v.get("inherited_from") else "direct"] += 1
+        where = _loc_site(r.get("layer"), r["site"])
+        if where not in e["sites"]:
+            e["sites"].append(where)
+    return list(out.values())
+
+
+def _loc_site(layer, site: str) -> str:
+    return site if layer is None else f"L{layer:02d}/{site}"
+
+
+def variant_lines(report: dict) -> list[str]:
+    """Terminal lines naming each variant the target matched (counted as passing, never a first divergence)."""
+    out = []
+    for v in report.get("variants") or ():
+        shown = ", ".join(v["sites"][:5]) + (f", ... ({len(v['sites'])} sites)" if len(v["sites"]) > 5 else "")
+        out.append(f"  variant {v['name']} ({v['formula']}): {v['direct']} point(s) matched it, {v['inherited']} "
+                   f"inherited it, at {shown} — counted as passing (--parity-strict-variants fails them)")
+    return out
 
 
 def markdown(report: dict) -> str:
@@ -175,6 +247,17 @@ def markdown(report: dict) -> str:
         if sem.get("explained_points"):
             out += ["", f"{sem['explained_points']} point(s) differ only by that (status `semantic`): "
                     + ", ".join(f"`{k}`" for k in sem["explained"][:20])]
+        out.append("")
+    if report.get("triage"):
+        out += triage_markdown(report["triage"])
+    if report.get("variants"):
+        out += ["## Variants", "", "Named implementation variants the target matched (parity.numerics.variants): "
+                "counted as passing, never a first divergence; `--parity-strict-variants` fails them.", "",
+                "| variant | formula | where seen | points matching | points inheriting | sites |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {v['name']} | {v['formula']} | {v['seen']} | {v['direct']} | {v['inherited']} | "
+                + ", ".join(v["sites"][:20]) + (" ..." if len(v["sites"]) > 20 else "") + " |"
+                for v in report["variants"]]
         out.append("")
     fd = report.get("first_divergence")
     if fd:
@@ -249,6 +332,9 @@ def html_page(report: dict) -> str:
                  f"everything after it inherits it.</div>")
         if fd.get("message"):
             head += f"<pre>{esc(fd['message'])}</pre>"
+    extra = (triage_lines(report["triage"]) if report.get("triage") else []) + variant_lines(report)
+    if extra:
+        head += "<pre>" + esc("\n".join(x.strip() for x in extra)) + "</pre>"
     rows_html = []
     for row in layer_table(report):
         here = fd and (row["phase"], row["step"], row["layer"]) == (fd["phase"], fd.get("step", 0), fd.get("layer"))

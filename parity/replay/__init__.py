@@ -14,7 +14,8 @@ from typing import Callable, Iterator
 
 from parity.replay.judge import judge, judge_point, judge_step
 from parity.replay.records import Observation, PointRecord, Status
-from parity.replay.session import MODES, ModeError, Session, check_mode, dump_steps, find_checkpoint, target_info
+from parity.replay.session import (MODES, ModeError, Session, check_mode, dump_identity, dump_steps, find_checkpoint,
+                                   target_info)
 from parity.replay.strategies import (mtp_units, observe, observe_free, observe_isolated, observe_layer,
                                       observe_model_points)
 
@@ -64,7 +65,8 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
                       strict_variants=strict_variants) as s:
         records = [r.to_json() for r in replay_records(s, layers, progress)]
         rep = build_report(s.config, records, dump=str(dump_path), target=getattr(s.target, "name", "?"),
-                           mode=mode, extra={"semantics": report_section(s.dump.semantics, semantics, records)})
+                           mode=mode, extra={"semantics": report_section(s.dump.semantics, semantics, records),
+                                             **dump_identity(s.dump)})
         rep["target_info"] = target_info(s.target)  # protocol v2: what actually ran
         return rep
 

@@ -309,6 +309,13 @@ def prepare(dump, ckpt_dir=None, *, target=None, mode: str = "layer"):
     return reader, owned, tgt, ckpt_path, ckpt
 
 
+def dump_identity(reader) -> dict:
+    """Report keys that tell which dumps can be triaged together (parity.triage): the checkpoint fingerprint and the
+    dump's compute dtype."""
+    return {"checkpoint_fingerprint": reader.meta.get("checkpoint_fingerprint"),
+            "dump_dtype": reader.meta.get("compute_dtype")}
+
+
 def target_info(target) -> dict:
     """`target.describe()` for the report header (protocol v2); a failing describe() is said, never loses the report."""
     try:
