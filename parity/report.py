@@ -130,7 +130,10 @@ def _fmt(x, spec=".3g") -> str:
 
 
 def summary_text(report: dict, *, max_rows: int = 60) -> str:
-    """Terminal summary: verdict, first divergence and its source, per-layer table."""
+    """Terminal summary: verdict, first divergence and its source (with the commands that reproduce it),
+    per-layer table."""
+    from parity.repro import repro_commands
+
     lines = [f"ling3-parity: dump {report['dump']} | target {report['target']} | mode {report['mode']} -> "
              + ("PASSED" if report["passed"] else "FAILED") + f"  {report.get('counts', {})}"]
     fd = report.get("first_divergence")
@@ -145,6 +148,7 @@ def summary_text(report: dict, *, max_rows: int = 60) -> str:
                          f"formula gives, first at {rnd.get('index')} (test {_fmt(rnd.get('test'), '.6g')}, dump "
                          f"{_fmt(rnd.get('ref'), '.6g')})")
         lines.append(f"  source: {_loc(src)} — the error starts there; later failures inherit it")
+        lines += repro_commands(report)
     rows = layer_table(report)
     lines.append(f"  {'phase':<8}{'step':>5}{'layer':>7}{'points':>8}{'fail':>6}{'benign':>7}{'max ULP':>9}"
                  f"{'rel-L2':>10}  first failing site")
