@@ -163,6 +163,20 @@ def summary_text(report: dict, *, max_rows: int = 60) -> str:
     return "\n".join(lines)
 
 
+def layer_table_markdown(report: dict) -> list[str]:
+    """The per-layer table as markdown lines (report.md, the CI job summary), HERE on the first divergence's row."""
+    fd = report.get("first_divergence")
+    out = ["| phase | step | layer | points | fail | benign | max ULP | max rel-L2 | first failing site |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for row in layer_table(report):
+        here = " **← HERE**" if fd and (row["phase"], row["step"], row["layer"]) == (fd["phase"], fd.get("step", 0),
+                                                                                   fd.get("layer")) else ""
+        out.append(f"| {row['phase']} | {row['step']} | {'model' if row['layer'] is None else row['layer']} | "
+                   f"{row['points']} | {row['failed']} | {row['benign']} | {row['max_ulp']} | "
+                   f"{row['max_rel_l2']:.2e} | {row['first_fail']}{here} |")
+    return out
+
+
 def markdown(report: dict) -> str:
     out = [f"# ling3-parity report — {'PASSED' if report['passed'] else 'FAILED'}", "",
            f"- dump: `{report['dump']}`", f"- target: `{report['target']}`", f"- mode: `{report['mode']}`",
@@ -189,14 +203,7 @@ def markdown(report: dict) -> str:
                 f"- source: `{_loc(fd['source'])}` (first failing point whose inputs pass)", ""]
         if fd.get("message"):
             out += ["```", fd["message"], "```", ""]
-    out += ["## Per layer", "", "| phase | step | layer | points | fail | benign | max ULP | max rel-L2 | first failing site |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for row in layer_table(report):
-        here = " **← HERE**" if fd and (row["phase"], row["step"], row["layer"]) == (fd["phase"], fd.get("step", 0),
-                                                                                   fd.get("layer")) else ""
-        out.append(f"| {row['phase']} | {row['step']} | {'model' if row['layer'] is None else row['layer']} | "
-                   f"{row['points']} | {row['failed']} | {row['benign']} | {row['max_ulp']} | "
-                   f"{row['max_rel_l2']:.2e} | {row['first_fail']}{here} |")
+    out += ["## Per layer", ""] + layer_table_markdown(report)
     out += ["", "## Failing points", ""]
     fails = [r for r in report["points"] if r.get("status") == "fail"]
     for r in fails[:200]:

@@ -187,7 +187,8 @@ def point_rule(report: dict, cfg_dtype: str, mode: str, point: Point, dump_dtype
 # ------------------------------------------------------------------------------------------ report.json keys
 def run_context(reader, ckpt: str | Path | None, tol_file: str | None, tol_overrides, report_dir) -> dict:
     """Top-level report.json keys a reproducer needs beside `dump`, `target`, `mode`: `checkpoint` (the directory
-    the replay used, absolute; None if it cannot be found), `tolerances` (`file`, `overrides`: the rules merged over
+    the replay used, absolute; None if it cannot be found), `dump_file` (the dump, absolute: `dump` is the path as
+    given, relative to the run's directory), `tolerances` (`file`, `overrides`: the rules merged over
     the defaults) and `report_dir` (where the report is written; None when the caller writes it)."""
     from parity.replay.session import find_checkpoint
 
@@ -195,7 +196,7 @@ def run_context(reader, ckpt: str | Path | None, tol_file: str | None, tol_overr
         ck: str | None = str(Path(find_checkpoint(reader.fingerprint, ckpt)).resolve())
     except ParityError:
         ck = None
-    return {"checkpoint": ck,
+    return {"checkpoint": ck, "dump_file": str(Path(reader.path).resolve()),
             "tolerances": {"file": str(Path(tol_file).resolve()) if tol_file else None,
                            "overrides": list(tol_overrides or [])},
             "report_dir": None if report_dir is None else str(report_dir)}
@@ -258,9 +259,10 @@ def make_bundle(report: dict, out_dir: str | Path, *, point: str | None = None, 
     pt = choose_point(report, point)
     spec = target or target_spec(report)
     cls = resolve(spec)
-    dump_path = Path(dump or report.get("dump") or "")
+    dump_path = Path(dump or report.get("dump_file") or report.get("dump") or "")
     if not dump_path.is_file():
-        raise ReproError(f"report.json: dump {str(dump_path)!r} is not a file here; pass --dump PATH")
+        key = "--dump" if dump else "dump_file" if report.get("dump_file") else "dump"
+        raise ReproError(f"report.json: {key} {str(dump_path)!r} is not a file here; pass --dump PATH")
     with DumpReader(dump_path) as reader:
         cfg = reader.config
         _site(cfg, pt)
