@@ -163,13 +163,6 @@ def encode_arrays(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
     return stored, notes
 
 
-def decode_arrays(npz, notes: dict[str, dict]) -> dict[str, np.ndarray]:
-    """Inverse of `encode_arrays` (the repro script does the same in a few lines of its own)."""
-    import ml_dtypes
-
-    return {k: (npz[k].view(ml_dtypes.bfloat16) if notes[k]["dtype"] == "bfloat16" else npz[k]) for k in notes}
-
-
 def point_rule(report: dict, cfg_dtype: str, mode: str, point: Point, dump_dtype: str) -> dict:
     """The tolerance rule of the point in the repro's mode: the default table with the report's recorded
     `tolerances` (file, overrides) merged over it, looked up as the judge does."""
