@@ -523,10 +523,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
                                          layers_opt)
         from parity.semantics import report_section
 
+        from parity.repro import run_context
+
         rep = build_report(cfg, recs, dump=str(entry.path), target=config.getoption("--parity-target"),
                            mode=entry.mode, extra={"semantics": report_section(
                                reader.semantics, config.getoption("--parity-semantics"), recs),
-                               **dump_identity(reader)})
+                               **dump_identity(reader),
+                               # what tools/repro.py and the reproduce command need (checkpoint, tolerances, report dir)
+                               **run_context(reader, config.getoption("--parity-ckpt"),
+                                             config.getoption("--parity-tolerances"), config.getoption("--parity-tol"),
+                                             out_root / label)})
         if not dump_compared:
             rep["passed"] = False
             rep["note"] = "no point of this dump was compared"

@@ -131,7 +131,10 @@ def _fmt(x, spec=".3g") -> str:
 
 
 def summary_text(report: dict, *, max_rows: int = 60) -> str:
-    """Terminal summary: verdict, first divergence and its source, per-layer table."""
+    """Terminal summary: verdict, first divergence and its source (with the commands that reproduce it),
+    per-layer table."""
+    from parity.repro import repro_commands
+
     lines = [f"ling3-parity: dump {report['dump']} | target {report['target']} | mode {report['mode']} -> "
              + ("PASSED" if report["passed"] else "FAILED") + f"  {report.get('counts', {})}"]
     tri = report.get("triage")
@@ -149,6 +152,7 @@ def summary_text(report: dict, *, max_rows: int = 60) -> str:
                          f"formula gives, first at {rnd.get('index')} (test {_fmt(rnd.get('test'), '.6g')}, dump "
                          f"{_fmt(rnd.get('ref'), '.6g')})")
         lines.append(f"  source: {_loc(src)} — the error starts there; later failures inherit it")
+        lines += repro_commands(report)
     lines += variant_lines(report)
     rows = layer_table(report)
     lines.append(f"  {'phase':<8}{'step':>5}{'layer':>7}{'points':>8}{'fail':>6}{'benign':>7}{'max ULP':>9}"
@@ -231,6 +235,20 @@ def variant_lines(report: dict) -> list[str]:
     return out
 
 
+def layer_table_markdown(report: dict) -> list[str]:
+    """The per-layer table as markdown lines (report.md, the CI job summary), HERE on the first divergence's row."""
+    fd = report.get("first_divergence")
+    out = ["| phase | step | layer | points | fail | benign | max ULP | max rel-L2 | first failing site |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for row in layer_table(report):
+        here = " **← HERE**" if fd and (row["phase"], row["step"], row["layer"]) == (fd["phase"], fd.get("step", 0),
+                                                                                   fd.get("layer")) else ""
+        out.append(f"| {row['phase']} | {row['step']} | {'model' if row['layer'] is None else row['layer']} | "
+                   f"{row['points']} | {row['failed']} | {row['benign']} | {row['max_ulp']} | "
+                   f"{row['max_rel_l2']:.2e} | {row['first_fail']}{here} |")
+    return out
+
+
 def markdown(report: dict) -> str:
     out = [f"# ling3-parity report — {'PASSED' if report['passed'] else 'FAILED'}", "",
            f"- dump: `{report['dump']}`", f"- target: `{report['target']}`", f"- mode: `{report['mode']}`",
@@ -268,14 +286,7 @@ def markdown(report: dict) -> str:
                 f"- source: `{_loc(fd['source'])}` (first failing point whose inputs pass)", ""]
         if fd.get("message"):
             out += ["```", fd["message"], "```", ""]
-    out += ["## Per layer", "", "| phase | step | layer | points | fail | benign | max ULP | max rel-L2 | first failing site |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for row in layer_table(report):
-        here = " **← HERE**" if fd and (row["phase"], row["step"], row["layer"]) == (fd["phase"], fd.get("step", 0),
-                                                                                   fd.get("layer")) else ""
-        out.append(f"| {row['phase']} | {row['step']} | {'model' if row['layer'] is None else row['layer']} | "
-                   f"{row['points']} | {row['failed']} | {row['benign']} | {row['max_ulp']} | "
-                   f"{row['max_rel_l2']:.2e} | {row['first_fail']}{here} |")
+    out += ["## Per layer", ""] + layer_table_markdown(report)
     out += ["", "## Failing points", ""]
     fails = [r for r in report["points"] if r.get("status") == "fail"]
     for r in fails[:200]:
