@@ -171,7 +171,7 @@ def summary_text(report: dict, *, max_rows: int = 60) -> str:
 def triage_lines(tri: dict) -> list[str]:
     """Terminal lines of a triage, leading with the first semantic error, then the first precision error, then
     the variants."""
-    out = [f"  triage (fp32 {tri['fp32_dump']} + bf16 {tri['bf16_dump']}):"]
+    out = [f"  triage (fp32 {tri.get('fp32_dump')} + bf16 {tri.get('bf16_dump')}):"]
     for key, what in (("first_semantic", "semantic  (fails on the fp32 dump: the formula differs)"),
                       ("first_precision", "precision (passes fp32, fails bf16: less precision than the reference)")):
         p = tri.get(key)
@@ -187,14 +187,14 @@ def triage_lines(tri: dict) -> list[str]:
 
 def triage_markdown(tri: dict) -> list[str]:
     """report.md section: the leading errors and the per-site table."""
-    out = ["## Triage (fp32 + bf16)", "", f"fp32 dump `{tri['fp32_dump']}`, bf16 dump `{tri['bf16_dump']}`.", ""]
+    out = ["## Triage (fp32 + bf16)", "", f"fp32 dump `{tri.get('fp32_dump')}`, bf16 dump `{tri.get('bf16_dump')}`.", ""]
     for key, what in (("first_semantic", "First semantic error (fails on fp32)"),
                       ("first_precision", "First precision error (passes fp32, fails bf16)")):
         p = tri.get(key)
         out.append(f"- {what}: " + ("none" if p is None else
                    f"`{_loc(p)}` — max {p.get('max_ulp')} ULP, rel-L2 {_fmt(p.get('rel_l2'))}"))
     out += ["", "| layer | site | diagnosis | fp32 statuses | bf16 statuses |", "|---|---|---|---|---|"]
-    for s in tri["sites"]:
+    for s in tri.get("sites") or ():
         lay = "model" if s["layer"] is None else s["layer"]
         out.append(f"| {lay} | {s['site']} | {s['diagnosis']} | {_counts(s['fp32'])} | {_counts(s['bf16'])} |")
     return out + [""]
