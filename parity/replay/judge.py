@@ -145,9 +145,11 @@ def _explained_by_variant(obs: Observation, test: np.ndarray, rule) -> dict | No
     from parity.numerics.compare import compare
 
     vs = obs.variant_shadow
-    if vs is None or obs.transform is not None or obs.rounding is not None:
+    if vs is None or obs.rounding is not None:
         return None
     arr = np.asarray(vs["array"])
+    if obs.transform is not None:  # the shadow is a reference: its array takes the dump's transform (taps.Transform)
+        arr, _ = obs.transform.apply(arr, test)
     if arr.shape != test.shape or not compare(arr, test, rule).passed:
         return None
     return {**vs["variant"], "inherited_from": vs["at"]}
