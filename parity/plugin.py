@@ -520,7 +520,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
 
         rep = build_report(cfg, recs, dump=str(entry.path), target=config.getoption("--parity-target"),
                            mode=entry.mode, extra={"semantics": report_section(
-                               reader.semantics, config.getoption("--parity-semantics"), recs)})
+                               reader.semantics, config.getoption("--parity-semantics"), recs),
+                               "dump_provenance": reader.kernels})  # None: not recorded (older dump)
         if not dump_compared:
             rep["passed"] = False
             rep["note"] = "no point of this dump was compared"
