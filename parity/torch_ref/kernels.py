@@ -42,6 +42,7 @@ FUNCTION_PATHS = {
 }
 # Submodule attribute names of a KDA layer (official checkpoint names, DESIGN §3) -> path.
 MODULE_PATHS = {"q_conv1d": "short_conv", "k_conv1d": "short_conv", "v_conv1d": "short_conv", "o_norm": "norm_gate"}
+UNSET_DOT = "unset (the backend's default: tf32 on NVIDIA GPUs)"
 IEEE = {"torch_allow_tf32": False, "cudnn_allow_tf32": False, "float32_matmul_precision": "highest",
         "triton_f32_default": "ieee"}
 
@@ -253,9 +254,9 @@ def triton_fp32_dot_default() -> str | None:
     try:
         from triton import knobs
 
-        return str(knobs.language.fp32_default or "tf32 (Triton's default)")
+        return str(knobs.language.fp32_default or UNSET_DOT)
     except (ImportError, AttributeError):
-        return os.environ.get("TRITON_F32_DEFAULT") or "tf32 (Triton's default)"
+        return os.environ.get("TRITON_F32_DEFAULT") or UNSET_DOT
 
 
 def kernels_record(*, paths: dict[str, str], stand_ins: bool, choice_reason: str, runtime: str,
