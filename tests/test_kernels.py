@@ -121,8 +121,9 @@ def stand_in_dump(tmp_path_factory) -> Path:
 
 def test_default_dump_on_a_cpu_machine_with_triton_runs_the_stand_ins_and_says_so(stand_in_dump):
     with DumpReader(stand_in_dump) as d:
-        k = d.kernels
+        k, guard = d.kernels, d.meta["guards"]["fla_kernels"]
     assert k["kda_paths"] == {p: "stand-in" for p in ALL_PATHS}
+    assert guard.startswith("cpu stand-ins") and guard.endswith(k["choice"])
     assert k["cpu_kernels"] is True and k["choice"].startswith("default: ") and "TRITON_INTERPRET" in k["choice"]
     assert k["fla_core_version"] is None  # no real fla kernel ran, whatever is installed
     assert k["device"] == "cpu" and k["cuda_name"] is None and k["triton_interpret"] is None

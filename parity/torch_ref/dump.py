@@ -27,7 +27,7 @@ from parity.errors import ParityError
 from parity.mtp_points import mtp_group
 from parity.points import Point
 from parity.torch_ref.capture import Capture, runtime_map_name, to_numpy
-from parity.torch_ref.kernels import KernelObserver, choose_cpu_kernels, fp32_matmul_policy, kernels_record
+from parity.torch_ref.kernels import KernelObserver, fp32_matmul_policy, kernels_record
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -394,13 +394,12 @@ def dump_checkpoint(
         check_native_supports(cfg, ckpt_dir)
 
     t0 = time.perf_counter()
-    cpu_kernels, kernels_why = choose_cpu_kernels(opts.cpu_kernels, opts.device)
     # fp32 matmul policy before the load (Triton reads its fp32 default when a kernel compiles); restored at the end
     stack = ExitStack()
     fp32 = stack.enter_context(fp32_matmul_policy(DTYPES[opts.dtype], opts.device, opts.allow_tf32))
     try:
         loaded = load_model(ckpt_dir, opts.runtime, dtype=DTYPES[opts.dtype], device=opts.device,
-                            cpu_kernels=cpu_kernels and opts.runtime == "remote",
+                            cpu_kernels=opts.cpu_kernels if opts.runtime == "remote" else False,
                             trust_remote_code=opts.trust_remote_code)
     except BaseException:
         stack.close()
@@ -528,8 +527,7 @@ def dump_checkpoint(
                 raise
             if background:
                 background.close()  # the remaining points are written; a write error is raised here
-            kernels = kernels_record(paths=observer.paths, stand_ins=cpu_kernels and opts.runtime == "remote",
-                                     choice_reason=kernels_why, runtime=opts.runtime, device=device, fp32=fp32)
+            kernels = kernels_record(paths=observer.paths, choice=loaded.kernels_choice, device=device, fp32=fp32)
             writer.set_meta("kernels", kernels)
             steps = [("prefill", 0)] + [("decode", k) for k in range(1, opts.decode_steps + 1)]
             mtp_ran = bool(cap.mtp_layers) and cap.mtp_ran("prefill", 0)

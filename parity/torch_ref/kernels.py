@@ -259,15 +259,16 @@ def triton_fp32_dot_default() -> str | None:
         return os.environ.get("TRITON_F32_DEFAULT") or UNSET_DOT
 
 
-def kernels_record(*, paths: dict[str, str], stand_ins: bool, choice_reason: str, runtime: str,
-                   device: torch.device, fp32: dict[str, Any]) -> dict[str, Any]:
-    """The `kernels` root attr: observed KDA paths, the choice and why, versions, interpreter, device, fp32 matmuls."""
+def kernels_record(*, paths: dict[str, str], choice: tuple[bool, str] | None, device: torch.device,
+                   fp32: dict[str, Any]) -> dict[str, Any]:
+    """The `kernels` root attr: observed KDA paths, the stand-in choice and why (`LoadedModel.kernels_choice`; None
+    for the native runtime), versions, interpreter, device, fp32 matmul settings."""
     fla_installed = installed_version("fla-core")
     ran_fla = any("fla" in impl.split("+") for impl in paths.values())
     return {
         "kda_paths": dict(sorted(paths.items())),
-        "cpu_kernels": stand_ins if runtime == "remote" else None,
-        "choice": choice_reason if runtime == "remote" else "native runtime: transformers' built-in, no fla stand-ins",
+        "cpu_kernels": None if choice is None else choice[0],
+        "choice": "native runtime: transformers' built-in, no fla stand-ins" if choice is None else choice[1],
         "fla_core_version": fla_installed if ran_fla else None,  # of the fla whose kernels ran; None: none ran
         "fla_core_installed": fla_installed,
         "triton_version": installed_version("triton"),

@@ -56,6 +56,8 @@ class LoadedModel:
     runtime: str
     guards: dict[str, Any] = field(default_factory=dict)
     stand_ins: Any = None  # fla_cpu.StandIns when this load installed them
+    # remote runtime: (fla CPU stand-ins used, why: the explicit option or the default's reason); None for native
+    kernels_choice: tuple[bool, str] | None = None
 
     def release(self) -> None:
         """Uninstall the fla stand-ins / shims this load installed (the model keeps working: its references are
@@ -193,7 +195,8 @@ def load_model(
     callers that predate the opt-in) runs them unchecked. Recorded in guards["remote_code"].
 
     `cpu_kernels` installs the fla CPU stand-ins before a `remote` load (None: where fla's real kernels cannot run,
-    `parity.torch_ref.kernels.choose_cpu_kernels`); ignored for `native`. `layer_types` overrides the built-in's layer kinds (`native` only; default from the config, §2).
+    `parity.torch_ref.kernels.choose_cpu_kernels`; the choice and why in `kernels_choice`); ignored for `native`.
+    `layer_types` overrides the built-in's layer kinds (`native` only; default from the config, §2).
     `config_overrides` are extra config attributes (e.g. the twin's quirk switches) — never the guarded ones.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -322,7 +325,8 @@ def load_model(
     p_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
     guards["param_dtypes"] = p_dtypes
     guards["inv_freq"] = repair_inv_freq(model, cfg)
-    return LoadedModel(model=model, config=cfg, runtime=runtime, guards=guards, stand_ins=stand_ins)
+    return LoadedModel(model=model, config=cfg, runtime=runtime, guards=guards, stand_ins=stand_ins,
+                       kernels_choice=(cpu_kernels, kernels_why) if runtime == "remote" else None)
 
 
 # ----------------------------------------------------------------------------------------------- decode
