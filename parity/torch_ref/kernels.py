@@ -274,7 +274,8 @@ def kernels_record(*, paths: dict[str, str], choice: tuple[bool, str] | None, de
         "triton_version": installed_version("triton"),
         "triton_interpret": os.environ.get("TRITON_INTERPRET") or None,
         **device_record(device),
-        "fp32_matmul": {**fp32, "triton_fp32_dot_default": triton_fp32_dot_default()},
+        # as in force now, at the end of the dump (the runtime may have changed them since the policy was applied)
+        "fp32_matmul": {**fp32, **fp32_matmul_settings(), "triton_fp32_dot_default": triton_fp32_dot_default()},
     }
 
 
