@@ -5,7 +5,8 @@ Layout (DESIGN §4):
     (userblock, 512 B)       the seal: size + sha256 of the rest, written after the file is closed (see "seal")
     /                        root attrs: schema, version, created_utc, tool_version, runtime, model_class, config_json,
                              checkpoint_fingerprint, torch/transformers/fla versions, device, compute_dtype, seed,
-                             complete, + any extra meta (non-scalars JSON-encoded; their names in attr `json_keys`)
+                             complete, + any extra meta (non-scalars JSON-encoded; their names in attr `json_keys`),
+                             e.g. `kernels` (kernel provenance, parity.provenance; absent in older dumps)
     /tokens/input_ids        [B, T_total] int32 (prompt + decode tokens)
     /tokens/prompt_len       scalar int64
     /prefill/model/<site>    model-level sites (embed, final_norm, logits)
@@ -54,6 +55,7 @@ from parity.errors import CheckpointError, ConfigError, DumpError, ParityError
 from parity.mtp_points import GROUP_RE as _MTP_RE
 from parity.mtp_points import MtpPoint
 from parity.points import Point, mtp_site
+from parity.provenance import check_kernels
 
 SCHEMA = "ling3-parity-dump"
 VERSION = 1
@@ -840,6 +842,8 @@ def _validate_open(f: h5py.File, path: Path, expect_fingerprint: str | None) -> 
         raise DumpError(f"{path}: root attr config_json is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise DumpError(f"{path}: root attr config_json holds a JSON {type(cfg).__name__}, expected an object")
+    if "kernels" in meta:  # kernel provenance (absent in dumps written before it existed)
+        check_kernels(meta["kernels"], str(path))
     fp = meta["checkpoint_fingerprint"]
     if expect_fingerprint is not None and fp != expect_fingerprint:
         src = meta.get("checkpoint_dir", "an unrecorded directory")
@@ -1074,6 +1078,12 @@ class DumpReader:
         if not isinstance(sem, dict):
             raise DumpError(f"{self.path}: root attr semantics is a {type(sem).__name__}, expected a JSON object")
         return sem
+
+    @property
+    def kernels(self) -> dict | None:
+        """The root attr `kernels` (which KDA implementation ran on each path, versions, device, fp32 matmul
+        settings; DESIGN §4), checked, or None for a dump written before it existed ("provenance not recorded")."""
+        return self.meta.get("kernels")  # checked when the file was opened
 
     def stats_points(self) -> list[Point | MtpPoint]:
         """Points that have statistics (statistics-only mode), main stack first, then the MTP layers'."""

@@ -532,7 +532,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
                                # what tools/repro.py and the reproduce command need (checkpoint, tolerances, report dir)
                                **run_context(reader, config.getoption("--parity-ckpt"),
                                              config.getoption("--parity-tolerances"), config.getoption("--parity-tol"),
-                                             out_root / label)})
+                                             out_root / label),
+                               "dump_provenance": reader.kernels})  # None: not recorded (older dump)
         if not dump_compared:
             rep["passed"] = False
             rep["note"] = "no point of this dump was compared"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterable
 
 from parity.points import Point, mtp_site, point_inputs, sites_for_config
+from parity.provenance import kernels_line, markdown_section
 
 SCHEMA = "ling3-parity-report"
 VERSION = 1
@@ -137,6 +138,8 @@ def summary_text(report: dict, *, max_rows: int = 60) -> str:
 
     lines = [f"ling3-parity: dump {report['dump']} | target {report['target']} | mode {report['mode']} -> "
              + ("PASSED" if report["passed"] else "FAILED") + f"  {report.get('counts', {})}"]
+    if "dump_provenance" in report:  # which kernels made the dump (None: not recorded in it)
+        lines.append(f"  dump kernels: {kernels_line(report['dump_provenance'])}")
     tri = report.get("triage")
     if tri and (tri.get("first_semantic") or tri.get("first_precision") or tri.get("variants")):
         lines += triage_lines(tri)  # an fp32 + bf16 pair: lead with the first semantic, then the first precision error
@@ -256,6 +259,8 @@ def markdown(report: dict) -> str:
     info = report.get("target_info")  # protocol v2: what actually ran (Target.describe())
     if info:
         out += ["## What ran", ""] + [f"- {k}: `{v}`" for k, v in info.items()] + [""]
+    if "dump_provenance" in report:
+        out += markdown_section(report["dump_provenance"])
     sem = report.get("semantics")
     if sem and sem.get("departures"):  # forks where the dump's runtime departs from the intended behaviour
         out += ["## Semantic forks", "", f"Replayed with the **{sem['replayed_with']}** semantics "
@@ -335,6 +340,8 @@ def html_page(report: dict) -> str:
     head = (f"<h1 style='color:{color}'>ling3-parity: {verdict}</h1><p>dump <code>{esc(report['dump'])}</code> · "
             f"target <code>{esc(report['target'])}</code> · mode <code>{esc(report['mode'])}</code> · "
             f"{esc(str(report.get('counts')))}</p>")
+    if "dump_provenance" in report:
+        head += f"<p>dump kernels: <code>{esc(kernels_line(report['dump_provenance']))}</code></p>"
     if fd:
         head += (f"<div class='fd'><b>First divergence:</b> <code>{esc(_loc(fd))}</code> — max {fd.get('max_ulp')} ULP, "
                  f"rel-L2 {_fmt(fd.get('rel_l2'))}, worst at {esc(str(fd.get('worst_index')))} "

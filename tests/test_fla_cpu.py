@@ -503,12 +503,17 @@ def test_install_as_context_manager_and_nested(clean_install):
     assert not fc.is_installed() and _fla_entries().keys() == before.keys()
 
 
-def test_install_refuses_over_a_working_fla_with_triton(clean_install, monkeypatch):
+def test_install_refuses_only_where_the_real_kernels_can_run(clean_install, monkeypatch):
     fake_triton = types.ModuleType("triton")
     fake_triton.__spec__ = importlib.machinery.ModuleSpec("triton", None)
     monkeypatch.setitem(sys.modules, "triton", fake_triton)
-    assert fc.real_fla_with_triton()
-    with pytest.raises(ParityError, match="real fla with triton"):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(fc.torch.cuda, "is_available", lambda: False)
+    assert fc.real_fla_with_triton() and not fc.real_kernels_run_here()
+    h = fc.install()  # a CPU machine with triton installed: the kernels cannot run, the stand-ins go in (issue 24)
+    h.uninstall()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs them on CPU tensors: refuse to shadow them
+    with pytest.raises(ParityError, match="real kernels can run"):
         fc.install()
     assert not fc.is_installed()
     h = fc.install(force=True)

@@ -65,8 +65,11 @@ def parse_ids(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dump_hf.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("ckpt", help="checkpoint directory (config.json + safetensors, remote code for --runtime remote)")
-    p.add_argument("--out", required=True, help="output HDF5 file (never overwritten without --force)")
+    p.add_argument("ckpt", nargs="?",
+                   help="checkpoint directory (config.json + safetensors, remote code for --runtime remote)")
+    p.add_argument("--out", help="output HDF5 file (never overwritten without --force); required unless --inspect")
+    p.add_argument("--inspect", metavar="DUMP",
+                   help="print a dump's provenance (runtime, device, dtype, which KDA kernels ran) and exit")
     p.add_argument("--runtime", choices=["remote", "native"], default="remote",
                    help="remote: the checkpoint's own code (official file or the twin, see --trust-remote-code); "
                         "native: transformers' built-in bailing_hybrid (no checkpoint code), Flash-shaped only — "
@@ -78,8 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "file in the directory) in this process; required by --runtime remote unless they are the "
                         "suite's twin byte for byte (bundled dumps/ckpt/*, tools/make_ckpt.py output)")
     p.add_argument("--cpu-kernels", dest="cpu_kernels", action="store_true", default=None,
-                   help="run the remote code through the suite's pure-PyTorch fla stand-ins (default on CPU)")
-    p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false")
+                   help="run the remote code through the suite's pure-PyTorch fla stand-ins (default: where fla's "
+                        "Triton kernels cannot run: no real fla + triton, or no CUDA device and no TRITON_INTERPRET=1)")
+    p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                   help="never install the stand-ins: the remote code imports fla itself (real kernels on CUDA or "
+                        "under TRITON_INTERPRET=1)")
+    p.add_argument("--allow-tf32", action="store_true",
+                   help="fp32 on CUDA: leave TF32 dots allowed (default: IEEE fp32 forced for torch and Triton); "
+                        "recorded in the dump's `kernels` attr")
     p.add_argument("--device", default="cpu", help="cpu | cuda | auto (device_map=auto across GPUs)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "bfloat16", "float32"])
     src = p.add_argument_group("inputs (one of)")
@@ -160,8 +169,31 @@ def check_remote_code(args, ckpt: Path) -> None:
                           "--runtime native (transformers' built-in bailing_hybrid, no checkpoint code)")
 
 
+def inspect_lines(path: str) -> list[str]:
+    """What `--inspect DUMP` prints: the dump's runtime, device, dtype and kernel provenance."""
+    from parity.dumpfile import DumpReader
+    from parity.provenance import kernels_line
+
+    with DumpReader(path) as d:
+        m = d.meta
+        return [f"{path}: runtime {m.get('runtime')}, model {m.get('model_class')}, device {m.get('device')}, "
+                f"dtype {m.get('compute_dtype')}, torch {m.get('torch_version')}, "
+                f"transformers {m.get('transformers_version')}",
+                f"  kernels: {kernels_line(d.kernels)}"]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.inspect is not None:
+        try:
+            print("\n".join(inspect_lines(args.inspect)))
+        except ParityError as e:
+            print(f"dump_hf: error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if args.ckpt is None or args.out is None:
+        parser.error("the checkpoint directory and --out are required (or --inspect DUMP)")
     try:
         from parity.config import Ling3Config
         from parity.dumpfile import check_output_path, clean_stale_temp_files
@@ -202,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             stats_only=args.stats_only, cache_snapshots=not args.no_cache_snapshots, force=args.force,
             write_thread={"auto": None, "on": True, "off": False}[args.write_thread], compression=args.compression,
             seed=args.seed, progress=not args.no_progress, trust_remote_code=args.trust_remote_code,
+            allow_tf32=args.allow_tf32,
         )
         summary = dump_checkpoint(ckpt, out, seqs, opts,
                                   extra_meta={"command": "dump_hf.py " + " ".join(argv or sys.argv[1:])})
@@ -213,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     print(f"wrote {summary.path} ({summary.bytes / 1e6:.2f} MB, {summary.points} points; "
           f"load {summary.seconds_load:.1f}s, forward+capture {summary.seconds_forward:.1f}s)")
+    if summary.kernels is not None:
+        from parity.provenance import kernels_line
+
+        print(f"  kernels: {kernels_line(summary.kernels)}")
     if summary.unavailable:
         print(f"  {len(summary.unavailable)} point(s) unavailable in this runtime (recorded in the file)")
     if summary.semantics is not None:

@@ -14,6 +14,7 @@ import platform
 import queue
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -26,6 +27,7 @@ from parity.errors import ParityError
 from parity.mtp_points import mtp_group
 from parity.points import Point
 from parity.torch_ref.capture import Capture, runtime_map_name, to_numpy
+from parity.torch_ref.kernels import KernelObserver, fp32_matmul_policy, kernels_record
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -33,7 +35,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
 @dataclass
 class DumpOptions:
     runtime: str = "remote"  # "remote" | "native"
-    cpu_kernels: bool | None = None  # fla CPU stand-ins (default: on when device is cpu)
+    cpu_kernels: bool | None = None  # fla CPU stand-ins (None: where fla's real kernels cannot run, kernels.py)
+    allow_tf32: bool = False  # fp32 on CUDA: keep TF32 dots allowed instead of forcing IEEE fp32 (recorded)
     device: str = "cpu"  # "cpu" | "cuda" | "auto" (device_map=auto for models larger than one GPU)
     dtype: str = "bfloat16"
     layers: Sequence[int] | None = None
@@ -69,6 +72,7 @@ class DumpSummary:
     seconds_write: float = 0.0  # of seconds_forward: inside the HDF5 writer (compression, I/O, final flush + seal)
     array_bytes: int = 0  # uncompressed bytes of the arrays written (0 for --stats-only)
     semantics: dict | None = None  # the `semantics` root attr (parity.semantics), None when not probed
+    kernels: dict | None = None  # the `kernels` root attr (parity.torch_ref.kernels.kernels_record)
 
 
 def point_stats(arr: np.ndarray) -> dict:
@@ -390,14 +394,21 @@ def dump_checkpoint(
         check_native_supports(cfg, ckpt_dir)
 
     t0 = time.perf_counter()
-    cpu_kernels = opts.cpu_kernels if opts.cpu_kernels is not None else opts.device == "cpu"
-    loaded = load_model(ckpt_dir, opts.runtime, dtype=DTYPES[opts.dtype], device=opts.device,
-                        cpu_kernels=cpu_kernels and opts.runtime == "remote",
-                        trust_remote_code=opts.trust_remote_code)
+    # fp32 matmul policy before the load (Triton reads its fp32 default when a kernel compiles); restored at the end
+    stack = ExitStack()
+    fp32 = stack.enter_context(fp32_matmul_policy(DTYPES[opts.dtype], opts.device, opts.allow_tf32))
+    try:
+        loaded = load_model(ckpt_dir, opts.runtime, dtype=DTYPES[opts.dtype], device=opts.device,
+                            cpu_kernels=opts.cpu_kernels if opts.runtime == "remote" else False,
+                            trust_remote_code=opts.trust_remote_code)
+    except BaseException:
+        stack.close()
+        raise
     try:
         model = loaded.model
         model.eval()
         device = next(model.parameters()).device
+        observer = stack.enter_context(KernelObserver(model))  # every forward from here on (probe, dump, guard)
         guards = dict(loaded.guards)
         t_ids = torch.as_tensor(ids, device=device)
         if opts.causality_check:  # run on the prefill's own inputs, right after it (see below)
@@ -516,6 +527,8 @@ def dump_checkpoint(
                 raise
             if background:
                 background.close()  # the remaining points are written; a write error is raised here
+            kernels = kernels_record(paths=observer.paths, choice=loaded.kernels_choice, device=device, fp32=fp32)
+            writer.set_meta("kernels", kernels)
             steps = [("prefill", 0)] + [("decode", k) for k in range(1, opts.decode_steps + 1)]
             mtp_ran = bool(cap.mtp_layers) and cap.mtp_ran("prefill", 0)
             if cap.mtp_layers and not mtp_ran:  # e.g. a twin copy older than its MTP forward
@@ -534,9 +547,10 @@ def dump_checkpoint(
             n_points = len(written)
         t_fwd = time.perf_counter() - t1
         return DumpSummary(out_path, n_points, out_path.stat().st_size, t_load, t_fwd, guards, unavailable,
-                           writer.seconds_writing, writer.array_bytes, semantics)
+                           writer.seconds_writing, writer.array_bytes, semantics, kernels)
     finally:
         loaded.release()  # uninstall the fla stand-ins this load installed (the model keeps its bound names)
+        stack.close()  # the kernel observer's wrappers out, the fp32 matmul settings back
 
 
 class BackgroundWriter:

@@ -29,6 +29,7 @@ import functools
 import importlib.machinery
 import importlib.util
 import math
+import os
 import sys
 import types
 import warnings
@@ -600,8 +601,8 @@ def is_installed() -> bool:
 
 
 def real_fla_with_triton() -> bool:
-    """True when a real fla *and* triton are importable — the real kernels would work (GPU box). Checked without
-    importing either package."""
+    """True when a real fla *and* triton are importable. Checked without importing either package. Not enough for
+    the real kernels to run: they also need a CUDA device or TRITON_INTERPRET=1 (`real_kernels_run_here`)."""
     if is_installed():
         return False
     try:
@@ -610,6 +611,12 @@ def real_fla_with_triton() -> bool:
     except (ImportError, ValueError):
         return False
     return has_fla and has_triton
+
+
+def real_kernels_run_here() -> bool:
+    """True when fla's Triton kernels can run in this process: a real fla with triton, and a CUDA device or Triton's
+    interpreter (TRITON_INTERPRET=1). A CPU machine that merely has triton installed cannot run them."""
+    return real_fla_with_triton() and (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available())
 
 
 def _make_fake_modules() -> dict[str, types.ModuleType]:
@@ -669,14 +676,15 @@ class StandIns:
 
 def install(force: bool = False, *, shims: bool = True) -> StandIns:
     """Put the fake `fla` package into `sys.modules` (replacing any `fla*` entries, which are saved) and, with
-    `shims`, the transformers-5 shims. Refuses with ParityError when a real fla with triton is importable (its
-    kernels work; replacing them would silently change the reference) unless `force=True`."""
+    `shims`, the transformers-5 shims. Refuses with ParityError when the real kernels can run here
+    (`real_kernels_run_here`; replacing them would silently change the reference) unless `force=True`."""
     if is_installed():
         return StandIns(None, None, force)
-    if real_fla_with_triton() and not force:
+    if real_kernels_run_here() and not force:
         raise ParityError(
-            "fla_cpu.install: a real fla with triton is importable here, so the real kernels can run; refusing to "
-            "shadow them with the CPU stand-ins (pass force=True to override)"
+            "fla_cpu.install: a real fla with triton is importable and a CUDA device or TRITON_INTERPRET=1 is present, "
+            "so the real kernels can run; refusing to shadow them with the CPU stand-ins (pass force=True, or "
+            "--cpu-kernels, to override)"
         )
     saved = {n: m for n, m in sys.modules.items() if n == "fla" or n.startswith("fla.")}
     shim_handle = None
@@ -691,7 +699,8 @@ def install(force: bool = False, *, shims: bool = True) -> StandIns:
 __all__ = [
     "chunk_kda", "fused_recurrent_kda", "chunk_simple_gla", "fused_recurrent_simple_gla", "ShortConvolution",
     "FusedRMSNormGated", "tensor_cache", "prepare_cu_seqlens_from_mask", "prepare_lens_from_mask",
-    "set_kda_observer", "get_kda_observer", "install", "is_installed", "real_fla_with_triton", "StandIns",
+    "set_kda_observer", "get_kda_observer", "install", "is_installed", "real_fla_with_triton", "real_kernels_run_here",
+    "StandIns",
     "install_transformers_shims", "uninstall_transformers_shims", "default_rope_inv_freq", "is_torch_fx_available",
     "kda_gate", "kda_beta", "l2_normalize", "kda_recurrent_core", "kda_chunk_core",
 ]

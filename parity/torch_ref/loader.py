@@ -7,7 +7,8 @@ Runtimes:
   config silently builds the built-in otherwise, env_notes); `attn_implementation="eager"` (sdpa makes the official
   MLA bidirectional, ORC §2); an explicit `dtype`; `rope_scaling` forced to a plain None on the config (ORC §1.5);
   no `layer_types` on the config (ORC §1.6); every `*.rotary_emb.inv_freq` buffer recomputed from θ^{-2j/r} after
-  loading, its original deviation recorded (5.x leaves it as uninitialised memory, ORC §1.4); with `cpu_kernels` the
+  loading, its original deviation recorded (5.x leaves it as uninitialised memory, ORC §1.4); with `cpu_kernels` (by
+  default where fla's real kernels cannot run: no real fla + triton, or no CUDA device and no TRITON_INTERPRET=1) the
   fla CPU stand-ins + transformers shims are installed first (ORC §1.1–1.3) and stay installed (the capture layer's
   KDA observer needs them).
 - `native`: transformers' built-in `bailing_hybrid` from the same official-layout directory, `trust_remote_code=False`
@@ -55,6 +56,8 @@ class LoadedModel:
     runtime: str
     guards: dict[str, Any] = field(default_factory=dict)
     stand_ins: Any = None  # fla_cpu.StandIns when this load installed them
+    # remote runtime: (fla CPU stand-ins used, why: the explicit option or the default's reason); None for native
+    kernels_choice: tuple[bool, str] | None = None
 
     def release(self) -> None:
         """Uninstall the fla stand-ins / shims this load installed (the model keeps working: its references are
@@ -155,22 +158,6 @@ def repair_inv_freq(model: torch.nn.Module, cfg: Ling3Config) -> dict:
     return {"checked": True, "recomputed": True, "formula": "rope_theta^(-2j/qk_rope_head_dim)", "buffers": found}
 
 
-def _kernel_binding(fn: Any) -> str | None:
-    """Module of the implementation a transformers `use_kernel_func_from_hub_with_fallback` wrapper bound to."""
-    seen = 0
-    while fn is not None and seen < 5:
-        code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
-        if code is not None:
-            for var, cell in zip(code.co_freevars, cells):
-                if var == "implementation":
-                    try:
-                        return getattr(cell.cell_contents, "__module__", None)
-                    except ValueError:
-                        return None
-        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
-    return None
-
-
 def _import_builtin_clean():
     """Import the built-in module with the fla stand-ins hidden, so it binds to its own torch fallback (a first
     import while they are installed would bind it to the stand-ins for the rest of the process)."""
@@ -207,8 +194,9 @@ def load_model(
     are the suite's twin byte for byte (`parity.torch_ref.remote_code`), else CheckpointError; None (the default of
     callers that predate the opt-in) runs them unchecked. Recorded in guards["remote_code"].
 
-    `cpu_kernels` (default: device == "cpu") installs the fla CPU stand-ins before a `remote` load; ignored for
-    `native`. `layer_types` overrides the built-in's layer kinds (`native` only; default from the config, §2).
+    `cpu_kernels` installs the fla CPU stand-ins before a `remote` load (None: where fla's real kernels cannot run,
+    `parity.torch_ref.kernels.choose_cpu_kernels`; the choice and why in `kernels_choice`); ignored for `native`.
+    `layer_types` overrides the built-in's layer kinds (`native` only; default from the config, §2).
     `config_overrides` are extra config attributes (e.g. the twin's quirk switches) — never the guarded ones.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -230,7 +218,9 @@ def load_model(
     guarded = {"attn_implementation", "rope_scaling", "layer_types", "dtype", "torch_dtype", "trust_remote_code"}
     if guarded & overrides.keys():
         raise ParityError(f"config_overrides {sorted(guarded & overrides.keys())}: these are set by the loader's guards")
-    cpu_kernels = (str(device).startswith("cpu")) if cpu_kernels is None else bool(cpu_kernels)
+    from parity.torch_ref.kernels import choose_cpu_kernels, kernel_binding
+
+    cpu_kernels, kernels_why = choose_cpu_kernels(cpu_kernels, str(device))
     guards: dict[str, Any] = {"runtime": runtime, "dtype": str(tdtype).removeprefix("torch."), "explicit_dtype": True,
                               "device": str(device), "hf_hub_offline": True}
     common = dict(dtype=tdtype, attn_implementation="eager", local_files_only=True, output_loading_info=True)
@@ -263,11 +253,12 @@ def load_model(
         from parity.torch_ref import fla_cpu
 
         if cpu_kernels:
-            stand_ins = fla_cpu.install()  # refuses over a working fla+triton unless forced (ParityError)
-            guards["fla_kernels"] = "cpu stand-ins (parity.torch_ref.fla_cpu)"
+            stand_ins = fla_cpu.install(force=True)  # the choice is made (choose_cpu_kernels), explicitly or by default
+            guards["fla_kernels"] = f"cpu stand-ins (parity.torch_ref.fla_cpu); {kernels_why}"
         else:
             fla_cpu.install_transformers_shims()  # the official file needs them on 5.x on any device
-            guards["fla_kernels"] = "real fla (not replaced)"
+            # what the runtime then calls (fla, or the twin's own path without it) is observed by the dump (`kernels`)
+            guards["fla_kernels"] = f"not replaced: the runtime imports fla itself; {kernels_why}"
         guards["transformers_shims"] = ["import_utils.is_torch_fx_available", "ROPE_INIT_FUNCTIONS['default']"]
         try:
             with _quiet_transformers():
@@ -301,7 +292,7 @@ def load_model(
         if cpu_kernels:
             guards["cpu_kernels"] = "ignored (the built-in runs its own PyTorch path without fla)"
         builtin = _import_builtin_clean()
-        bound = {fn: _kernel_binding(getattr(builtin, fn, None))
+        bound = {fn: kernel_binding(getattr(builtin, fn, None))
                  for fn in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")}
         if any(b is not None and b.startswith("parity.") for b in bound.values()):
             raise ParityError(f"native runtime: the built-in bailing_hybrid bound its KDA kernels to {bound}; it was "
@@ -334,7 +325,8 @@ def load_model(
     p_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
     guards["param_dtypes"] = p_dtypes
     guards["inv_freq"] = repair_inv_freq(model, cfg)
-    return LoadedModel(model=model, config=cfg, runtime=runtime, guards=guards, stand_ins=stand_ins)
+    return LoadedModel(model=model, config=cfg, runtime=runtime, guards=guards, stand_ins=stand_ins,
+                       kernels_choice=(cpu_kernels, kernels_why) if runtime == "remote" else None)
 
 
 # ----------------------------------------------------------------------------------------------- decode
