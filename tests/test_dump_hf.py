@@ -278,11 +278,31 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
      "dump_hf: error: --sites: pattern 'mlp.gate.*' matches no site of the dumped layers"),
     (["--decode-steps", "-1"], "dump_hf: error: argument --decode-steps: -1: expected an integer >= 0"),
     (["--prompt-len", "0"], "dump_hf: error: argument --prompt-len: 0: expected an integer >= 1"),
+    (["--dtype", "fp32,fp16"], "dump_hf: error: argument --dtype: 'fp16': expected bf16 or fp32"),
 ])
 def test_cli_refuses_bad_options_in_one_line(tmp_path, args, expected):
     r = _cli(str(CKPT / "tiny"), "--out", str(tmp_path / "x.h5"), *args)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith(expected), r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_dtype_pair_in_one_go(tmp_path):
+    """`--dtype fp32,bf16` (issue 25): two dumps of the same prompt and options, named OUT-fp32 / OUT-bf16, each in
+    its dtype, the command recorded in each; the pair is what a run triages across tiers."""
+    from parity.dumpfile import DumpReader
+
+    r = _cli(str(CKPT / "tiny"), "--out", str(tmp_path / "t.h5"), "--dtype", "fp32,bf16", "--prompt-len", "12",
+             "--decode-steps", "1")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t-bf16.h5", "t-fp32.h5"]
+    assert f"--parity-dump {tmp_path / 't-fp32.h5'} --parity-dump {tmp_path / 't-bf16.h5'}" in r.stdout, r.stdout
+    readers = {d: DumpReader(tmp_path / f"t-{d}.h5") for d in ("fp32", "bf16")}
+    assert readers["fp32"].meta["compute_dtype"] == "float32" and readers["bf16"].meta["compute_dtype"] == "bfloat16"
+    assert np.array_equal(readers["fp32"].input_ids, readers["bf16"].input_ids)
+    assert readers["fp32"].meta["checkpoint_fingerprint"] == readers["bf16"].meta["checkpoint_fingerprint"]
+    # '{dtype}' in --out names the files instead; an existing file of the pair refuses both before anything runs
+    r = _cli(str(CKPT / "tiny"), "--out", str(tmp_path / "t-{dtype}.h5"), "--dtype", "fp32,bf16", "--prompt-len", "12")
+    assert r.returncode == 2 and "t-fp32.h5" in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_cli_refuses_a_directory_as_out(tmp_path):

@@ -63,6 +63,32 @@ def parse_ids(text: str) -> list[int]:
         raise ParityError(f"--ids {text[:40]!r}: expected comma- or space-separated integers") from None
 
 
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+SHORT = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+def parse_dtypes(text: str) -> list[str]:
+    """`--dtype bf16` or `--dtype fp32,bf16` -> torch-style names, each once, in the order given."""
+    out = []
+    for part in (t.strip() for t in text.split(",")):
+        if part not in DTYPES:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected bf16 or fp32 (or a comma-separated list of them)")
+        if DTYPES[part] not in out:
+            out.append(DTYPES[part])
+    return out
+
+
+def dtype_outputs(out: str, dtypes: list[str]) -> list[str]:
+    """One output path per dtype: --out itself for one dtype; with several, '{dtype}' in --out replaced by bf16 /
+    fp32, else OUT's stem + '-fp32' / '-bf16' (tiny.h5 -> tiny-fp32.h5, tiny-bf16.h5)."""
+    if len(dtypes) == 1 and "{dtype}" not in out:
+        return [out]
+    if "{dtype}" in out:
+        return [out.replace("{dtype}", SHORT[d]) for d in dtypes]
+    p = Path(out)
+    return [str(p.with_name(f"{p.stem}-{SHORT[d]}{p.suffix or '.h5'}")) for d in dtypes]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dump_hf.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ckpt", nargs="?",
@@ -90,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp32 on CUDA: leave TF32 dots allowed (default: IEEE fp32 forced for torch and Triton); "
                         "recorded in the dump's `kernels` attr")
     p.add_argument("--device", default="cpu", help="cpu | cuda | auto (device_map=auto across GPUs)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "bfloat16", "float32"])
+    p.add_argument("--dtype", default="bf16", type=parse_dtypes,
+                   help="bf16 | fp32, or a comma-separated list (fp32,bf16: a pair of dumps of the same prompt in one "
+                        "go, OUT-fp32.h5 and OUT-bf16.h5 — or --out with '{dtype}' in it — for triage across tiers)")
     src = p.add_argument_group("inputs (one of)")
     src.add_argument("--prompt", action="append", help="prompt text (tokenizer from the checkpoint); repeatable")
     src.add_argument("--ids", action="append", help="token ids, comma-separated; repeatable")
@@ -199,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         from parity.dumpfile import check_output_path, clean_stale_temp_files
 
         # everything that can be refused is refused before the model loads (seconds to minutes)
-        out = check_output_path(args.out, force=args.force)
+        outs = [check_output_path(o, force=args.force) for o in dtype_outputs(args.out, args.dtype)]
         ckpt = Path(args.ckpt)
         cfg = Ling3Config.from_pretrained_dir(ckpt, strict=False)
         layers = parse_layers(args.layers)
@@ -220,30 +248,50 @@ def main(argv: list[str] | None = None) -> int:
 
             check_native_supports(cfg, ckpt)  # before tokenizing or loading anything
         seqs = collect_ids(args, ckpt, cfg.vocab_size)
-        for note in clean_stale_temp_files(out):
-            print(f"dump_hf: note: {note}", file=sys.stderr)
+        for out in outs:
+            for note in clean_stale_temp_files(out):
+                print(f"dump_hf: note: {note}", file=sys.stderr)
 
         from parity.torch_ref.dump import DumpOptions, dump_checkpoint
 
-        opts = DumpOptions(
-            runtime=args.runtime, cpu_kernels=args.cpu_kernels, device=args.device,
-            dtype={"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype),
-            layers=layers, sites=sites,
-            decode_steps=args.decode_steps,
-            continuation_ids=parse_ids(args.continuation) if args.continuation else None,
-            stats_only=args.stats_only, cache_snapshots=not args.no_cache_snapshots, force=args.force,
-            write_thread={"auto": None, "on": True, "off": False}[args.write_thread], compression=args.compression,
-            seed=args.seed, progress=not args.no_progress, trust_remote_code=args.trust_remote_code,
-            allow_tf32=args.allow_tf32,
-        )
-        summary = dump_checkpoint(ckpt, out, seqs, opts,
-                                  extra_meta={"command": "dump_hf.py " + " ".join(argv or sys.argv[1:])})
+        summaries = []
+        for out, dtype in zip(outs, args.dtype):  # a pair: the same prompt and options, one dump per dtype
+            opts = _options(args, dtype, layers, sites)
+            command = "dump_hf.py " + " ".join(argv or sys.argv[1:])
+            if len(outs) > 1:
+                command += f"  (the {SHORT[dtype]} dump of this command)"
+            summaries.append(dump_checkpoint(ckpt, out, seqs, opts, extra_meta={"command": command}))
     except ParityError as e:
         print(f"dump_hf: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # the writer removed its temporary file on the way out
         print(f"dump_hf: interrupted; nothing was written under {args.out}", file=sys.stderr)
         return 130
+    for summary in summaries:
+        _print_summary(summary)
+    if len(summaries) > 1:
+        print("  replay the pair in one run for the triage across tiers: pytest parity "
+              + " ".join(f"--parity-dump {x.path}" for x in summaries))
+    return 0
+
+
+def _options(args, dtype: str, layers, sites):
+    from parity.torch_ref.dump import DumpOptions
+
+    return DumpOptions(
+        runtime=args.runtime, cpu_kernels=args.cpu_kernels, device=args.device,
+        dtype=dtype,
+        layers=layers, sites=sites,
+        decode_steps=args.decode_steps,
+        continuation_ids=parse_ids(args.continuation) if args.continuation else None,
+        stats_only=args.stats_only, cache_snapshots=not args.no_cache_snapshots, force=args.force,
+        write_thread={"auto": None, "on": True, "off": False}[args.write_thread], compression=args.compression,
+        seed=args.seed, progress=not args.no_progress, trust_remote_code=args.trust_remote_code,
+        allow_tf32=args.allow_tf32,
+    )
+
+
+def _print_summary(summary) -> None:
     print(f"wrote {summary.path} ({summary.bytes / 1e6:.2f} MB, {summary.points} points; "
           f"load {summary.seconds_load:.1f}s, forward+capture {summary.seconds_forward:.1f}s)")
     if summary.kernels is not None:
@@ -256,7 +304,6 @@ def main(argv: list[str] | None = None) -> int:
         from parity.semantics import summarize
 
         print(f"  {summarize(summary.semantics)}")
-    return 0
 
 
 if __name__ == "__main__":
