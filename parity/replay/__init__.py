@@ -57,13 +57,16 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
     wd = Watchdog(DEFAULT_LIMIT_S if stall_timeout is None else stall_timeout)
     from parity.semantics import report_section
 
-    with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=rules, mesh=mesh,
-                      layers=None if layers is None else list(layers), watchdog=wd, semantics=semantics) as s:
-        records = [r.to_json() for r in replay_records(s, layers, progress)]
-        rep = build_report(s.config, records, dump=str(dump_path), target=getattr(s.target, "name", "?"),
-                           mode=mode, extra={"semantics": report_section(s.dump.semantics, semantics, records)})
-        rep["target_info"] = target_info(s.target)  # protocol v2: what actually ran
-        return rep
+    try:
+        with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=rules, mesh=mesh,
+                          layers=None if layers is None else list(layers), watchdog=wd, semantics=semantics) as s:
+            records = [r.to_json() for r in replay_records(s, layers, progress)]
+            rep = build_report(s.config, records, dump=str(dump_path), target=getattr(s.target, "name", "?"),
+                               mode=mode, extra={"semantics": report_section(s.dump.semantics, semantics, records)})
+            rep["target_info"] = target_info(s.target)  # protocol v2: what actually ran
+    finally:
+        wd.close()  # its thread ends; closing the session released the target's weights (steady memory, issue 25)
+    return rep
 
 
 __all__ = ["MODES", "ModeError", "Observation", "PointRecord", "Session", "Status", "check_mode", "dump_steps",
