@@ -16,6 +16,7 @@ MANIFEST entry names the official file's sha256; regenerating it needs that file
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,18 +97,19 @@ GOLDEN = (
 # Root attrs whose values depend on the machine, the time, the installed versions or the paths the dump was made
 # with (the test writes to a temporary directory): their presence is compared, not their values.
 VARYING_ROOT_ATTRS = frozenset({"created_utc", "tool_version", "torch_version", "transformers_version", "fla_version",
-                                "python_version", "device", "command", "checkpoint_dir", "model_class",
-                                "determinism"})
+                                "python_version", "device", "command", "checkpoint_dir", "determinism"})
 MEASURED = "<measured>"  # stands for a float measured on the machine (e.g. the causality guard's max |diff|)
 
 
 def mask_measured(value):
-    """`value` (a decoded root attr) with every float replaced by MEASURED, recursively; the module name in
-    `guards.model_class` derives from the checkpoint directory's name, so it is masked too."""
+    """`value` (a decoded root attr) with every float replaced by MEASURED, recursively, and the checkpoint
+    directory's name in remote-code module names (`transformers_modules.<dir>.<hash>`) replaced by `<dir>`."""
     if isinstance(value, float):
         return MEASURED
+    if isinstance(value, str):
+        return re.sub(r"transformers_modules\.\w+\.", "transformers_modules.<dir>.", value)
     if isinstance(value, dict):
-        return {k: "<path-derived>" if k == "model_class" else mask_measured(v) for k, v in value.items()}
+        return {k: mask_measured(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [mask_measured(v) for v in value]
     return value
