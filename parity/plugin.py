@@ -191,6 +191,13 @@ class ParitySession:
             self.errors[entry.run] = (str(e), True)
             raise
 
+    def release_others(self, run: str) -> None:
+        """Release the weights of every other dump's target before this one replays, so a run over several large
+        dumps holds one dump's globals (embedding, LM head) at a time; a dump met again reloads them."""
+        for other, s in self.sessions.items():
+            if other != run and hasattr(s.target, "release"):
+                s.target.release()
+
     def records(self, entry: DumpEntry, layer) -> dict:
         """{(phase, step, layer, site): report.json record} for one layer (or the model-level points when layer is
         None); free mode replays the whole model once."""
@@ -204,6 +211,7 @@ class ParitySession:
             raise StallError(self.stalls[key])
         if key not in self.replays:
             s = self.session(entry)
+            self.release_others(entry.run)
             obs = observe_free(s) if whole else observe(s, layer)
             try:
                 recs = [r.to_json() for r in judge(s, obs)]

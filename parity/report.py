@@ -131,6 +131,23 @@ def _fmt(x, spec=".3g") -> str:
     return str(x)
 
 
+# The terminal's per-layer table: header and alignment ("<" left, ">" right) of each column.
+TABLE_HEADER = ("phase", "step", "layer", "points", "fail", "benign", "max ULP", "rel-L2", "first failing site")
+TABLE_ALIGN = "<>>>>>>><"
+
+
+def aligned_table(header: tuple[str, ...], rows: list[list[str]], align: str, gap: int = 2) -> list[str]:
+    """Lines of a plain-text table whose columns are as wide as their widest cell and `gap` spaces apart, so no value,
+    however wide (a max ULP of 2131735856, a rel-L2 of 1e+300), runs into its neighbour. The last column is not
+    padded (no trailing spaces)."""
+    widths = [max(len(c) for c in col) for col in zip(header, *rows)]
+    out = []
+    for cells in (list(header), *rows):
+        parts = [f"{c:{a}{w}}" for c, a, w in zip(cells[:-1], align, widths)] + [cells[-1]]
+        out.append((" " * gap).join(parts).rstrip())
+    return out
+
+
 def summary_text(report: dict, *, max_rows: int = 60) -> str:
     """Terminal summary: verdict, first divergence and its source (with the commands that reproduce it),
     per-layer table."""
@@ -158,14 +175,14 @@ def summary_text(report: dict, *, max_rows: int = 60) -> str:
         lines += repro_commands(report)
     lines += variant_lines(report)
     rows = layer_table(report)
-    lines.append(f"  {'phase':<8}{'step':>5}{'layer':>7}{'points':>8}{'fail':>6}{'benign':>7}{'max ULP':>9}"
-                 f"{'rel-L2':>10}  first failing site")
+    cells = []
     for row in rows[:max_rows]:
         here = "  <- HERE" if fd and (row["phase"], row["step"], row["layer"]) == (fd["phase"], fd.get("step", 0),
                                                                                   fd.get("layer")) else ""
         lay = "model" if row["layer"] is None else str(row["layer"])
-        lines.append(f"  {row['phase']:<8}{row['step']:>5}{lay:>7}{row['points']:>8}{row['failed']:>6}"
-                     f"{row['benign']:>7}{row['max_ulp']:>9}{row['max_rel_l2']:>10.2e}  {row['first_fail']}{here}")
+        cells.append([row["phase"], str(row["step"]), lay, str(row["points"]), str(row["failed"]), str(row["benign"]),
+                      str(row["max_ulp"]), f"{row['max_rel_l2']:.2e}", f"{row['first_fail']}{here}"])
+    lines += ["  " + line for line in aligned_table(TABLE_HEADER, cells, TABLE_ALIGN)]
     if len(rows) > max_rows:
         lines.append(f"  ... {len(rows) - max_rows} more rows in report.md")
     return "\n".join(lines)

@@ -9,7 +9,7 @@ import pytest
 
 from parity.cli.dump_hf import main as dump_main
 from parity.dumpfile import DumpReader, fingerprint_checkpoint
-from parity.golden import DUMPS, GOLDEN, ROOT, machine_kind
+from parity.golden import DUMPS, GOLDEN, ROOT, dump_structure, machine_kind, structure_differences
 from parity.torch_ref import official
 from parity.torch_ref.ckpt import main as make_ckpt_main
 from parity.torch_ref.official import OFFICIAL_SHA256
@@ -44,26 +44,70 @@ def test_official_golden_records_its_semantic_departure():
     assert sem["kda_gate_precision"] == sem["kda_beta_precision"] == "float32"
 
 
-@pytest.mark.parametrize("golden", GOLDEN, ids=[g.file for g in GOLDEN])
-def test_regeneration_gives_identical_tensors(golden, tmp_path, monkeypatch):
-    made_on = next(e["machine"] for e in MANIFEST if e["file"] == golden.file)
-    if machine_kind() != made_on:  # parity/golden.py: bit-identity holds per CPU kind
-        pytest.skip(f"{golden.file} was made on {made_on}, this CPU is {machine_kind()}: torch's GEMM kernels "
-                    "differ, so regeneration is bit-identical only there (run tools/golden_dumps.py to remake)")
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("SOURCE_DATE_EPOCH", "0")
-    out = tmp_path / golden.file
+def regenerate(golden, out_dir) -> "os.PathLike":
+    """Remake one golden with its MANIFEST recipe into out_dir (from the repository root, created_utc fixed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / golden.file
     ckpt = None
     if golden.runtime == "official":
         ok, why = official.available()
         if not ok:
             pytest.skip(why)
-        ckpt = tmp_path / "ckpt"
+        ckpt = out_dir / "ckpt"
         assert make_ckpt_main(golden.prepare_command(ckpt)) == 0
-    assert dump_main(golden.args(out, ckpt)) == 0
+    old_cwd, old_epoch = os.getcwd(), os.environ.get("SOURCE_DATE_EPOCH")
+    os.chdir(ROOT)
+    os.environ["SOURCE_DATE_EPOCH"] = "0"
+    try:
+        assert dump_main(golden.args(out, ckpt)) == 0
+    finally:
+        os.chdir(old_cwd)
+        if old_epoch is None:
+            os.environ.pop("SOURCE_DATE_EPOCH", None)
+        else:
+            os.environ["SOURCE_DATE_EPOCH"] = old_epoch
+    return out
+
+
+@pytest.fixture(scope="module", params=GOLDEN, ids=[g.file for g in GOLDEN])
+def regenerated(request, tmp_path_factory):
+    """(golden, path of its regeneration): one regeneration per golden, shared by the structure and the bits test."""
+    golden = request.param
+    return golden, regenerate(golden, tmp_path_factory.mktemp(golden.file.removesuffix(".h5")))
+
+
+def test_regeneration_has_the_same_structure(regenerated):
+    """On every CPU: the points, shapes, dtypes, attrs and CPU-independent root attrs of a regeneration are the
+    bundled golden's (a capture change that adds or removes points fails here, not only on the MANIFEST's CPU)."""
+    golden, out = regenerated
+    diffs = structure_differences(dump_structure(DUMPS / golden.file), dump_structure(out))
+    assert not diffs, (f"dumps/{golden.file} is stale: {len(diffs)} difference(s) with its regeneration (rerun "
+                       f"tools/golden_dumps.py --only {golden.file}):\n" + "\n".join(diffs[:20]))
+
+
+def test_regeneration_gives_identical_tensors(regenerated):
+    golden, out = regenerated
+    made_on = next(e["machine"] for e in MANIFEST if e["file"] == golden.file)
+    if machine_kind() != made_on:  # parity/golden.py: bit-identity holds per CPU kind
+        pytest.skip(f"{golden.file} was made on {made_on}, this CPU is {machine_kind()}: torch's GEMM kernels "
+                    "differ, so regeneration is bit-identical only there (its structure is checked everywhere)")
     with DumpReader(DUMPS / golden.file) as a, DumpReader(out) as b:
         assert a.points() == b.points() and a.mtp_points() == b.mtp_points()
         assert np.array_equal(a.input_ids, b.input_ids)
         for p in [*a.points(), *a.mtp_points()]:
             x, y = a.read(p), b.read(p)
             assert x.dtype == y.dtype and np.array_equal(x.view(np.uint8), y.view(np.uint8)), p.key()
+
+
+def test_a_capture_change_fails_the_structure_check(tmp_path, monkeypatch):
+    """A capture point added without regenerating the goldens is named by the structure check, on any CPU."""
+    from parity.torch_ref import capture
+
+    golden = next(g for g in GOLDEN if g.file == "tiny-bf16.h5")  # the smallest: 40 tokens
+    extra = capture.TapSpec("model.layers.{i}.attention.o_norm", "attention.o_norm:in", io="input", index=0,
+                            kind="kda", scope="main")
+    monkeypatch.setitem(capture.RUNTIME_MAPS, "twin", [*capture.RUNTIME_MAPS["twin"], extra])
+    out = regenerate(golden, tmp_path)
+    diffs = structure_differences(dump_structure(DUMPS / golden.file), dump_structure(out))
+    added = [d for d in diffs if "attention.o_norm:in: recorded by the capture now" in d]
+    assert added and all(d.startswith(("prefill/L", "decode/S")) for d in added), diffs[:10]

@@ -87,3 +87,35 @@ def test_summary_names_a_rounding_check_failure():
            "(test -0.847656, dump -0.84375)" in text
     assert "rounding check" not in summary_text(build_report(CFG, _records({(3, "attention.core"): 400}), dump="d.h5",
                                                              target="t", mode="layer"))
+
+
+def _table_fields(text: str) -> dict[str, list[str]]:
+    """The terminal's per-layer table rows keyed by layer, each split into its columns at runs of 2+ spaces."""
+    import re
+
+    lines = text.splitlines()
+    start = next(k for k, line in enumerate(lines) if line.split()[:2] == ["phase", "step"])
+    rows = {}
+    for line in lines[start + 1:]:
+        fields = re.split(r" {2,}", line.strip(), maxsplit=8)
+        rows[fields[2]] = fields
+    return rows
+
+
+def test_summary_table_columns_never_run_together():
+    # issue 25: benign 0 followed by max ULP 2131735856 printed as `02131735856`; huge and non-finite values too
+    huge = {(0, "attention.core"): 2131735856, (1, "attention.core"): float("inf"), (2, "attention.core"): 7}
+    recs = _records(huge)
+    for r in recs:
+        if (r["layer"], r["site"]) == (0, "attention.core"):
+            r["rel_l2"] = 1e300
+        if (r["layer"], r["site"]) == (2, "attention.core"):
+            r["rel_l2"] = float("nan")
+    text = summary_text(build_report(CFG, recs, dump="d.h5", target="t", mode="layer"))
+    rows = _table_fields(text)
+    for layer, (ulp, rel) in {"0": ("2131735856", "1.00e+300"), "1": ("inf", "1.00e-02"), "2": ("7", "1.00e-04")}.items():
+        fields = rows[layer]
+        assert len(fields) == 9, f"layer {layer}: columns ran together: {fields}"
+        assert fields[:2] == ["prefill", "0"] and fields[4:8] == ["1", "0", ulp, rel], fields
+        assert fields[8].startswith("attention.core")
+    assert rows["0"][8].endswith("<- HERE") and all(line == line.rstrip() for line in text.splitlines())

@@ -60,22 +60,27 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
     wd = Watchdog(DEFAULT_LIMIT_S if stall_timeout is None else stall_timeout)
     from parity.semantics import report_section
 
-    with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=rules, mesh=mesh,
-                      layers=None if layers is None else list(layers), watchdog=wd, semantics=semantics,
-                      strict_variants=strict_variants) as s:
-        records = [r.to_json() for r in replay_records(s, layers, progress)]
-        from parity.repro import run_context
+    try:
+        with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=rules, mesh=mesh,
+                          layers=None if layers is None else list(layers), watchdog=wd, semantics=semantics,
+                          strict_variants=strict_variants) as s:
+            records = [r.to_json() for r in replay_records(s, layers, progress)]
+            from parity.repro import run_context
 
-        # `target` is the display name here (a Target instance has no command-line spelling): `target_class` is what
-        # tools/repro.py builds; a rules object is not recorded (`tolerances.custom`: the repro uses the defaults)
-        rep = build_report(s.config, records, dump=str(dump_path), target=getattr(s.target, "name", "?"),
-                           mode=mode, extra={"semantics": report_section(s.dump.semantics, semantics, records),
-                                             **dump_identity(s.dump),
-                                             **run_context(s.dump, ckpt_dir, None, None, None),
-                                             **({} if rules is None else {"tolerances": {"custom": True}}),
-                                             "target_class": f"{type(s.target).__module__}:{type(s.target).__qualname__}"})
-        rep["target_info"] = target_info(s.target)  # protocol v2: what actually ran
-        return rep
+            # `target` is the display name here (a Target instance has no command-line spelling): `target_class` is
+            # what tools/repro.py builds; a rules object is not recorded (`tolerances.custom`: the repro uses the
+            # defaults)
+            rep = build_report(s.config, records, dump=str(dump_path), target=getattr(s.target, "name", "?"),
+                               mode=mode, extra={"semantics": report_section(s.dump.semantics, semantics, records),
+                                                 **dump_identity(s.dump),
+                                                 **run_context(s.dump, ckpt_dir, None, None, None),
+                                                 **({} if rules is None else {"tolerances": {"custom": True}}),
+                                                 "target_class": f"{type(s.target).__module__}:"
+                                                                 f"{type(s.target).__qualname__}"})
+            rep["target_info"] = target_info(s.target)  # protocol v2: what actually ran
+    finally:
+        wd.close()  # its thread ends; closing the session released the target's weights (steady memory, issue 25)
+    return rep
 
 
 __all__ = ["MODES", "ModeError", "Observation", "PointRecord", "Session", "Status", "check_mode", "dump_steps",

@@ -219,6 +219,13 @@ class Session:
         return [i for i in range(self.config.num_hidden_layers) if self.dump.has(Point("prefill", 0, i, "input"))]
 
     def close(self) -> None:
+        """End the replay: the target's and the semantic shadows' loaded weights are released (`Target.release`),
+        a dump the session opened is closed. The session can replay again afterwards (weights load again)."""
+        for t in [self.target, *self._shadows.values()]:
+            release = getattr(t, "release", None)  # a duck-typed adapter may lack it
+            if release is not None:
+                release()  # not through the watchdog: it only drops references, and must run after a stall too
+        self._shadows.clear()
         if getattr(self, "_owned", False):
             self.dump.close()
 

@@ -51,18 +51,32 @@ class _Worker:
             self._cv.notify()
         return box
 
+    def stop(self) -> None:
+        """End the thread once it is idle (its calls are synchronous: no job is pending when the watchdog closes)."""
+        with self._cv:
+            self._job = _STOP
+            self._cv.notify()
+
     def _run(self) -> None:
         while True:
             with self._cv:
                 while self._job is None:
                     self._cv.wait()
-                fn, args, kwargs, box = self._job
-                self._job = None
+                job, self._job = self._job, None
+            if job is _STOP:
+                return
+            fn, args, kwargs, box = job
             try:
                 box["value"] = fn(*args, **kwargs)
             except BaseException as e:  # handed to the caller
                 box["error"] = e
             box["done"].set()
+            # Drop this frame's references while waiting for the next job: the last call's bound method (its target:
+            # embedding, LM head) and arguments would otherwise stay alive for as long as the thread waits.
+            del job, fn, args, kwargs, box
+
+
+_STOP = ("stop",)
 
 
 def native_stacks(pid: int | None = None, timeout_s: float = 120.0) -> str:
@@ -141,5 +155,11 @@ class Watchdog:
             raise StallError(f"{what}: no result after {self.limit_s:g} s (stalled); Python and native stacks of "
                              f"every thread: {path}")
         if "error" in box:
-            raise box["error"]
-        return box["value"]
+            raise box.pop("error")
+        return box.pop("value")
+
+    def close(self) -> None:
+        """End the worker thread (a stalled one is already abandoned); a later call starts a new one."""
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None

@@ -136,6 +136,11 @@ class Target(abc.ABC):
         replay will visit (None: all). For ports that load from disk; `parity.targets.ckptdir.layer_checkpoint`
         writes a trimmed copy when a port's loader cannot read the original (e.g. it rejects `auto_map`)."""
 
+    def release(self) -> None:
+        """Drop everything loaded (globals, layers, MTP layers) when a replay ends, so repeated replays in one process
+        hold one replay's weights at most; a later `load_*` loads again. Default: nothing (a port that holds weights
+        beyond `unload_layer` overrides it)."""
+
     def describe(self) -> dict:
         """What actually ran, for the report header: backends, kernels, interpret modes, XLA flags, versions. The
         default says what every JAX target shares; adapters add their own keys (`parity.targets.describe_jax`)."""

@@ -142,6 +142,12 @@ class ReferenceTarget(Target):
     def unload_layer(self, i: int) -> None:
         self.params.pop(i, None)
 
+    def release(self) -> None:
+        """Drop the globals (embedding + LM head: ~970 MB at Ling3-Tiny's vocabulary in bf16) and any loaded layer."""
+        self.globals = None
+        self.params.clear()
+        release_freed_heap()
+
     def embed(self, input_ids: np.ndarray) -> np.ndarray:
         import jax.numpy as jnp
 
