@@ -305,3 +305,41 @@ def test_native_never_binds_to_the_stand_ins():
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(v == L.BUILTIN_MODULE for v in res["ok"].values()), res
     assert res["refused"] is not None and "not independent" in res["refused"], res
+
+
+def test_a_reused_remote_module_of_the_same_folder_name_is_refused(tmp_path):
+    """transformers names a remote module after the checkpoint's folder: the official file's checkpoint in a folder
+    named `tiny-flash`, loaded in a process that already loaded the twin's `tiny-flash`, was handed the twin's module
+    (measured: the regenerated official golden held the twin's code). The loader compares the module's source with
+    the checkpoint's modeling file and refuses in one line; the official checkpoint alone in a process loads."""
+    import subprocess
+    import sys
+
+    from parity.torch_ref import official
+
+    ok, why = official.available()
+    if not ok:
+        pytest.skip(why)
+    off = tmp_path / "tiny-flash"
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "make_ckpt.py"), "--preset", "tiny-flash", "--seed", "0",
+                        "--out", str(off), "--modeling", "official"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    script = (
+        "import sys\n"
+        "from parity.errors import ParityError\n"
+        "from parity.torch_ref.loader import load_model\n"
+        "paths = sys.argv[1:]\n"
+        "for p in paths:\n"
+        "    try:\n"
+        "        load_model(p, runtime='remote', dtype='float32', trust_remote_code=True)\n"
+        "        print('loaded', p)\n"
+        "    except ParityError as e:\n"
+        "        print('refused', e)\n")
+    both = subprocess.run([sys.executable, "-c", script, str(REPO / "dumps" / "ckpt" / "tiny-flash"), str(off)],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    lines = [ln for ln in both.stdout.splitlines() if ln.startswith(("loaded", "refused"))]
+    assert lines[0].startswith("loaded") and lines[1].startswith("refused"), both.stdout + both.stderr
+    assert "is not this checkpoint's modeling_bailing_moe_v3.py" in lines[1], lines[1]
+    alone = subprocess.run([sys.executable, "-c", script, str(off)], capture_output=True, text=True, cwd=REPO,
+                           timeout=600)
+    assert "loaded" in alone.stdout, alone.stdout + alone.stderr

@@ -78,6 +78,26 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def _check_module_is_the_checkpoints(ckpt: Path, model) -> None:
+    """The remote code that built the model is the checkpoint's own modeling file, byte for byte. transformers names a
+    remote module after the checkpoint's folder, and a process that already imported a module of that name (another
+    checkpoint in a folder of the same name, e.g. the twin's `tiny-flash` then the official file's) may be handed the
+    first one: measured when the golden dumps were regenerated in one process (the official golden came out with the
+    twin's code). A dump must never say one runtime and hold another."""
+    import hashlib
+    import inspect
+
+    src = inspect.getsourcefile(type(model))
+    name = Path(src).name if src else None
+    own = ckpt / name if name else None
+    if own is None or not own.is_file():
+        return  # not a file of the checkpoint's (the class path check above has the say)
+    if hashlib.sha256(Path(src).read_bytes()).digest() != hashlib.sha256(own.read_bytes()).digest():
+        raise ParityError(f"{ckpt}: the model was built by {src}, which is not this checkpoint's {name} (a module of "
+                          f"the same name, {type(model).__module__}, was already imported in this process); dump "
+                          "each checkpoint folder name in its own process")
+
+
 def _class_path(obj: Any) -> str:
     t = type(obj)
     return f"{t.__module__}.{t.__qualname__}"
@@ -281,6 +301,7 @@ def load_model(
         if not mod.startswith("transformers_modules.") or mod.startswith("transformers.models."):
             raise ParityError(f"{ckpt}: remote runtime built {_class_path(model)}, not the checkpoint's remote code "
                               "(trust_remote_code ignored? env_notes 'Loading remote code offline')")
+        _check_module_is_the_checkpoints(ckpt, model)
         guards["trust_remote_code"] = True
         guards["model_class"] = _class_path(model)
         if getattr(model.config, "rope_scaling", None) is not None:
