@@ -96,8 +96,8 @@ class StageResult:
 
 def cases(opts: Options) -> list[Case]:
     # long prompts and bf16 first: the case the issue predicts a difference for runs before the budget can run out
-    return [Case(c, p, t) for t in sorted(opts.prompts, reverse=True) for p in reversed(opts.precisions)
-            for c in opts.ckpts]
+    precisions = sorted(opts.precisions, key=PRECISIONS.index, reverse=True)  # bf16 first
+    return [Case(c, p, t) for t in sorted(opts.prompts, reverse=True) for p in precisions for c in opts.ckpts]
 
 
 def dump_path(opts: Options, name: str, where: str) -> Path:
@@ -216,6 +216,7 @@ def compare_dumps(ref_path: Path, test_path: Path, mode: str = "layer") -> dict:
     from parity.dumpfile import DumpReader
     from parity.numerics.compare import compare
     from parity.numerics.tolerances import default_rules
+    from parity.provenance import kernels_line
 
     rules = default_rules()
     points, missing = [], []
@@ -229,7 +230,8 @@ def compare_dumps(ref_path: Path, test_path: Path, mode: str = "layer") -> dict:
             v = compare(ref.read(p), test.read(p), rules.rule_for(p.site, mode, dtype, compute), name=p.key())
             points.append({"point": p.key(), "dtype": dtype, "max_ulp": v.max_ulp, "rel_l2": v.rel_l2,
                            "within_tolerance": bool(v.passed)})
-    return summarize_comparison(points, missing)
+        kernels = {"cpu": kernels_line(ref.kernels), "device": kernels_line(test.kernels)}  # which ran, each side
+    return {**summarize_comparison(points, missing), "kernels": kernels}
 
 
 def summarize_comparison(points: list[dict], missing: list[str]) -> dict:
@@ -244,6 +246,8 @@ def summarize_comparison(points: list[dict], missing: list[str]) -> dict:
 
 def replay_counts(report_dir: Path) -> dict:
     """Point statuses over every report.json the replay wrote (one per dump x mode)."""
+    from parity.points import Point
+
     reports = sorted(report_dir.rglob("report.json"))
     if not reports:
         raise FileNotFoundError(f"{report_dir}: no report.json written by the replay")
@@ -255,7 +259,8 @@ def replay_counts(report_dir: Path) -> dict:
             counts[p["status"]] = counts.get(p["status"], 0) + 1
         fd = rep.get("first_divergence")
         if fd and first is None:
-            first = f"{fd.get('phase')}/{fd.get('step')}/L{fd.get('layer')}/{fd.get('site')} ({fd.get('max_ulp')} ULP)"
+            where = Point(fd["phase"], fd["step"], fd["layer"], fd["site"]).key()
+            first = f"{where} ({fd.get('max_ulp')} ULP)"
     return {"counts": counts, "passed": all(json.loads(p.read_text()).get("passed") for p in reports),
             "first_divergence": first, "reports": [str(p) for p in reports]}
 
@@ -396,8 +401,8 @@ def markdown(doc: dict) -> str:
              f"triton {env.get('triton')}, fla {env.get('fla')}. Wall {doc['wall_s']} s of a {doc['budget_s']:.0f} s "
              f"budget; {doc['decode_steps']} decode steps.", ""]
     backends = list(doc["cases"][0]["replay"]) if doc["cases"] else []
-    head = ["dump", "precision", "prompt"] + [f"replay {b} (pass/fail/other)" for b in backends] + \
-        ["device vs CPU: within tol / compared", "worst point (max ULP, rel-L2)"]
+    head = ["dump", "precision", "prompt"] + [f"replay {b} (pass/fail)" for b in backends] + \
+        ["device vs CPU: within tol / bit-identical / compared", "worst point (max ULP, rel-L2)"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in doc["cases"]:
         cells = [row["ckpt"], row["precision"], str(row["prompt_len"])]
@@ -407,9 +412,11 @@ def markdown(doc: dict) -> str:
             cells += [f"not compared (device dump {row['device_dump']}, CPU dump {row['cpu_dump']})", "-"]
         else:
             w = cmp["worst"]
-            cells += [f"{cmp['within_tolerance']}/{cmp['compared']}",
-                      "-" if w is None else f"{w['point']} ({w['max_ulp']}, {_g(w['rel_l2'])})"]
+            cells += [f"{cmp['within_tolerance']} / {cmp['bit_identical']} / {cmp['compared']}",
+                      "-" if w is None or w["max_ulp"] == 0 else f"{w['point']} ({w['max_ulp']}, {_g(w['rel_l2'])})"]
         lines.append("| " + " | ".join(cells) + " |")
+    seen = sorted({row["cuda_vs_cpu"]["kernels"]["cpu"] for row in doc["cases"] if row["cuda_vs_cpu"]})
+    lines += ["", "CPU reference dumps ran: " + ("; ".join(seen) if seen else "none compared")]
     failed = [s for s in doc["stages"] if s["status"] != "ok"]
     lines += ["", f"Stages not ok: {len(failed)}" + ("" if failed else " (all ran)")]
     lines += [f"- `{s['name']}`: {s['status']}" + (f" — {s['note']}" if s["note"] else "") for s in failed]
@@ -429,9 +436,9 @@ def _replay_cell(e: dict) -> str:
     if "counts" not in e:
         return e["stage"] + (f" ({e['error']})" if e.get("error") else "")
     c = e["counts"]
-    other = sum(v for k, v in c.items() if k not in ("pass", "fail"))
+    other = ", ".join(f"{k} {v}" for k, v in sorted(c.items()) if k not in ("pass", "fail"))
     first = f"; first divergence {e['first_divergence']}" if e.get("first_divergence") else ""
-    return f"{c.get('pass', 0)}/{c.get('fail', 0)}/{other}{first}"
+    return f"{c.get('pass', 0)}/{c.get('fail', 0)}" + (f" ({other})" if other else "") + first
 
 
 def run_check(opts: Options, progress: Callable[[str], None] = print) -> dict:
@@ -451,11 +458,15 @@ def run_check(opts: Options, progress: Callable[[str], None] = print) -> dict:
 
 # ------------------------------------------------------------------------------------------------------ CLI
 def _choices(allowed: tuple, cast=str):
+    import argparse
+
     def parse(text: str) -> tuple:
-        vals = tuple(cast(x.strip()) for x in text.split(",") if x.strip())
-        bad = [v for v in vals if v not in allowed]
-        if bad or not vals:
-            raise ValueError(f"{text!r}: expected a comma-separated subset of {', '.join(map(str, allowed))}")
+        try:
+            vals = tuple(cast(x.strip()) for x in text.split(",") if x.strip())
+        except ValueError:
+            vals = ()
+        if not vals or any(v not in allowed for v in vals):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated subset of {', '.join(map(str, allowed))}")
         return vals
     return parse
 
@@ -482,11 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=4, help="stages run at once (default 4)")
     ap.add_argument("--inject-failure", action="append", default=[], metavar="STAGE",
                     help="replace STAGE's command by one that fails (tests the failure recording); repeatable")
-    try:
-        args = ap.parse_args(argv)
-    except ValueError as e:  # a bad subset list
-        print(f"gpu_check: error: {e}", file=sys.stderr)
-        return 2
+    args = ap.parse_args(argv)
     opts = Options(out=args.out, cpu_only=args.cpu_only, cpu_ref=args.cpu_ref, ckpts=args.ckpts,
                    precisions=args.precisions, prompts=args.prompts, decode_steps=args.decode_steps,
                    budget_s=args.budget_s, jobs=args.jobs, inject_failure=tuple(args.inject_failure))
