@@ -171,8 +171,14 @@ def _jax():
     return {"version": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}
 def _version(mod):
     return lambda: __import__(mod).__version__
+def _reference_jit():
+    # the reference target's per-computation XLA options (one is an XLA:CPU option): accepted by this backend?
+    import jax
+    from parity.jax_ling3 import REFERENCE_COMPILER_OPTIONS as opts
+    return {"options": sorted(opts), "ok": float(jax.jit(lambda x: x + 1, compiler_options=opts)(1.0)) == 2.0}
 probe("torch", _torch)
 probe("jax", _jax)
+probe("reference_jit", _reference_jit)
 for m in ("transformers", "triton", "fla", "h5py", "safetensors", "einops", "flax", "pytest"):
     probe(m, _version(m))
 print(json.dumps(out))
