@@ -57,7 +57,7 @@ def test_budget_kills_a_running_stage_and_skips_later_ones(tmp_path):
 
 
 def test_plan_gpu_mode(tmp_path):
-    opts = gc.Options(out=tmp_path)
+    opts = gc.Options(out=tmp_path, cpu_ref="interp")
     stages = {s.name: s for s in gc.plan(opts)}
     cases = gc.cases(opts)
     assert len(cases) == 12 and cases[0].prompt_len > 64 and cases[0].precision == "bf16"
@@ -77,7 +77,8 @@ def test_plan_gpu_mode(tmp_path):
 
 
 def test_plan_cpu_only_mode_has_no_cuda(tmp_path):
-    stages = gc.plan(gc.Options(out=tmp_path, cpu_only=True, cpu_ref="stand-ins"))
+    stages = gc.plan(gc.Options(out=tmp_path, cpu_only=True))
+    assert gc.Options(out=tmp_path).cpu_ref == "stand-ins"  # the default CPU reference (see Options)
     assert not [s for s in stages if s.name.endswith(":cuda") or "cuda" in s.argv]
     assert all("--cpu-kernels" in s.argv for s in stages if s.name.startswith("dump:"))
 
