@@ -1,4 +1,4 @@
-"""parity.calibrate: per-point noise statistic, aggregation and rule proposal on hand-made numbers with known answers;
+"""parity.calibration.rules: per-point noise statistic, aggregation and rule proposal on hand-made numbers with known answers;
 the committed default table loads and names the command that calibrated it."""
 
 import math
@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from parity import calibrate as C
+from parity.calibration import rules as C
 from parity.numerics.compare import compare
 from parity.numerics.tolerances import _parse_text, default_rules
 
