@@ -120,10 +120,11 @@ def derive(meas: Measurement, noise_meta: dict, ex_meta: dict, command: str, saf
     spec = noise_spec(noise_meta)
     log: list[str] = []
     # tolerance rules
-    n_flip = R.flag_after_flips(meas.points, meas.routing)
+    points = [dict(p) for p in meas.points]  # flag_after_flips marks points: copies keep `meas` as stored
+    n_flip = R.flag_after_flips(points, meas.routing)
     log.append(f"{n_flip} point(s) downstream of a non-benign routing flip left out of the rules (reported)")
-    rules, floors = R.propose_rules(meas.points, safety)
-    aggs = R.aggregate(meas.points, floors)
+    rules, floors = R.propose_rules(points, safety)
+    aggs = R.aggregate(points, floors)
     routing = R.routing_summary(meas.routing)
     toml = R.rules_toml(rules, R.toml_header(noise.command, noise.date, noise.machine, spec, safety))
     summary = {k: v for k, v in noise_meta.items() if k not in ("groups", "routing", "runs", "excluded_after_nonbenign_flip")}
