@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import gzip
 import json
-import math
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Iterable
 
 from parity.numerics import exactness
 

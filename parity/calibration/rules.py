@@ -46,9 +46,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from parity.calibration.corpus import CorpusSpec
-from parity.calibration.noise import FLOORS, FLOORS_FP32, KS, RTOL_FP32, floors_of, point_noise
+from parity.calibration.noise import KS, RTOL_FP32, floors_of
 from parity.numerics.compare import percentile_rank
-from parity.points import site_class
 
 SAFETY = 2.0
 BF16_FLOOR = 1
