@@ -33,7 +33,8 @@ import os
 import sys
 import types
 import warnings
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -205,6 +206,16 @@ def set_chunk_precision(mode: str) -> str:
 
 def get_chunk_precision() -> str:
     return _chunk_precision
+
+
+@contextmanager
+def chunk_precision(mode: str) -> Iterator[None]:
+    """`set_chunk_precision(mode)` for the duration of a block (a dump), restoring the previous mode after."""
+    old = set_chunk_precision(mode)
+    try:
+        yield
+    finally:
+        set_chunk_precision(old)
 
 
 def kda_chunk_core_kernel(q, k, v, g, beta, scale: float, S0: torch.Tensor | None, dtype: torch.dtype,
@@ -785,5 +796,5 @@ __all__ = [
     "StandIns",
     "install_transformers_shims", "uninstall_transformers_shims", "default_rope_inv_freq", "is_torch_fx_available",
     "kda_gate", "kda_beta", "l2_normalize", "kda_recurrent_core", "kda_chunk_core", "kda_chunk_core_kernel",
-    "CHUNK_PRECISIONS", "set_chunk_precision", "get_chunk_precision",
+    "CHUNK_PRECISIONS", "set_chunk_precision", "get_chunk_precision", "chunk_precision",
 ]
