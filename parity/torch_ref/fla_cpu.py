@@ -13,8 +13,9 @@ Written from the public signatures/docstrings of fla-core 0.6.0 and the formulas
 copied. Everything numeric is computed in fp32 (§8: gate, beta, l2norm, decay and state are fp32 inside the kernels);
 KDA returns o in q's dtype and the state in fp32. Two independent KDA forms are provided: `fused_recurrent_kda`
 (token by token, §3.6) and `chunk_kda` (chunks of 64 in WY/UT form, §3.6 "chunked ... mathematically identical").
-Note (ORC §1.1): the real Triton kernels keep some intermediates in the input dtype; these fp32 stand-ins match the
-official *maths*, not a GPU run's bf16 bits.
+Note (ORC §1.1): the real Triton kernels keep some intermediates in the input dtype; by default these fp32 stand-ins
+match the official *maths*. `set_chunk_precision("kernel")` makes `chunk_kda` round at fla's chunked rounding points
+(listed below `kda_chunk_core`; measured against the real kernels in tests/test_kda_chunk_precision_kernels.py).
 
 Observer: `set_kda_observer(fn)` makes every KDA call report the tensors computed inside the kernel, so a capture layer
 can record sites the official code never exposes (`attention.gate`, `.beta`, `.core`, `.state`):
