@@ -46,7 +46,8 @@ def _failing(report: dict) -> list[tuple]:
 
 
 def _inputs(seed: int, T: int = 150, H: int = 4, K: int = 16):
-    """Random KDA inputs as the stand-in's core receives them: bf16-valued q̂/k̂ (l2-normalised), v; fp32 gate, β, S0."""
+    """Random KDA inputs as the stand-in's core receives them: bf16-valued q̂/k̂ (l2-normalised) and v; fp32 gate,
+    β and S0."""
     g = torch.Generator().manual_seed(seed)
     q = fla_cpu.l2_normalize(torch.randn(1, T, H, K, generator=g).bfloat16())
     k = fla_cpu.l2_normalize(torch.randn(1, T, H, K, generator=g).bfloat16())

@@ -181,8 +181,8 @@ def kda_chunk_core(q, k, v, g, beta, scale: float, S0: torch.Tensor | None, chun
 # stand-ins follow either the maths ("fp32", the default) or the kernel's rounding points ("kernel"). The rounding
 # points (fla-core 0.6.0, site-packages/fla/ops/..., x = the input dtype):
 #   1 q̂, k̂ after the in-kernel l2norm -> x           modules/norm/l2norm.py:83 (l2norm_fwd: y = empty_like(x))
-#   2 Aqk = scale·q̂·(k̂ ⊙ e^{Γt−Γs}), s ≤ t -> x       kda/chunk_intra.py:233-254, :786 / chunk_intra_token_parallel.py:126
-#                                                      (buffer Aqk in k.dtype, chunk_intra.py:863)
+#   2 Aqk = scale·q̂·(k̂ ⊙ e^{Γt−Γs}), s ≤ t -> x       kda/chunk_intra.py:233-254, :786,
+#                                                      chunk_intra_token_parallel.py:126 (Aqk in k.dtype: chunk_intra.py:863)
 #   3 Akk = (I + A)^-1 (A_ts = β_t k̂_t·k̂_s e^{Γt−Γs}) solved in fp32, stored -> x   kda/chunk_intra.py:369-387 (:865)
 #   4 u = Akk @ (β v)->x, then -> x                   kda/wy_fast.py:102-104
 #   5 w = Akk @ (β k̂ e^{Γ})->x, then -> x             kda/wy_fast.py:115-132
