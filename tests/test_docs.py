@@ -24,7 +24,7 @@ FENCE = re.compile(r"```[^\n]*\n(.*?)```", re.S)
 INLINE = re.compile(r"`([^`]+)`")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 # Options of commands that are not ours (installing sglang-jax's venv): the only ones allowed without a source.
-FOREIGN = {"pip": {"--no-deps", "--ignore-requires-python"}}
+FOREIGN = {"pip": {"--no-deps", "--ignore-requires-python", "--no-index", "--no-compile", "--no-cache-dir", "--target"}}
 
 
 def _help(args: list[str]) -> str:
