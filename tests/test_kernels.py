@@ -142,12 +142,17 @@ def test_the_twins_own_path_is_observed_not_inferred(tmp_path, monkeypatch):
     assert k["cpu_kernels"] is False and k["choice"] == "--no-cpu-kernels" and k["fla_core_version"] is None
 
 
-def test_cli_prints_which_kernels_ran_and_inspect_prints_the_provenance(stand_in_dump):
+def test_cli_prints_which_kernels_ran_and_inspect_prints_the_provenance(stand_in_dump, tmp_path):
     from parity.cli.dump_hf import inspect_lines
 
     lines = inspect_lines(str(stand_in_dump))
     assert lines[1].startswith("  kernels: ") and "fused_recurrent_kda=stand-in" in lines[1]
-    old = inspect_lines(str(REPO / "dumps" / "tiny-bf16.h5"))  # written before the attr existed
+    older = tmp_path / "older.h5"  # as written before the attr existed
+    older.write_bytes(stand_in_dump.read_bytes())
+    with h5py.File(older, "r+") as f:
+        del f.attrs["kernels"]
+    seal_dump(older)
+    old = inspect_lines(str(older))
     assert lines[0].startswith(str(stand_in_dump)) and old[1] == f"  kernels: {NOT_RECORDED}"
 
 

@@ -62,7 +62,8 @@ class _Config:
     def __init__(self, report_dir) -> None:
         self._opts = {"--parity-layers": None, "--parity-ckpt": None, "--parity-target": "reference",
                       "--parity-stall-timeout": 600, "--parity-report": str(report_dir),
-                      "--parity-semantics": "dump", "--parity-tolerances": None, "--parity-tol": None}
+                      "--parity-semantics": "dump", "--parity-tolerances": None, "--parity-tol": None,
+                      "--parity-strict-variants": False}
         self.option = SimpleNamespace()
 
     def getoption(self, name):

@@ -78,6 +78,17 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def _remote_model_class(ckpt: Path, hf_cfg):
+    """The class `auto_map["AutoModelForCausalLM"]` of the checkpoint's config.json names, from its own files."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    ref = (getattr(hf_cfg, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    if not ref:
+        raise ParityError(f"{ckpt / 'config.json'}: auto_map has no AutoModelForCausalLM entry; expected the remote "
+                          "model class (e.g. modeling_bailing_moe_v3.BailingMoeV3ForCausalLM)")
+    return get_class_from_dynamic_module(ref, str(ckpt), local_files_only=True)
+
+
 def _check_module_is_the_checkpoints(ckpt: Path, model) -> None:
     """The remote code that built the model is the checkpoint's own modeling file, byte for byte. transformers names a
     remote module after the checkpoint's folder, and a process that already imported a module of that name (another
@@ -291,8 +302,12 @@ def load_model(
                     guards["layer_types"] = "absent"
                 for k, v in overrides.items():
                     setattr(hf_cfg, k, v)
-                model, info = AutoModelForCausalLM.from_pretrained(ckpt, config=hf_cfg, trust_remote_code=True,
-                                                                   **common)
+                # the checkpoint's own model class, named by its auto_map: AutoModelForCausalLM would map the config
+                # class to a model class registered by an earlier load in this process (two checkpoints whose
+                # configuration files are identical share the config class; measured: the twin's and the official
+                # file's, folders of one name) — `_check_module_is_the_checkpoints` below verifies the result
+                model_cls = _remote_model_class(ckpt, hf_cfg)
+                model, info = model_cls.from_pretrained(ckpt, config=hf_cfg, **common)
         except BaseException:
             if stand_ins is not None:
                 stand_ins.uninstall()
