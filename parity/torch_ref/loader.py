@@ -279,6 +279,11 @@ def load_model(
             fla_cpu.install_transformers_shims()  # the official file needs them on 5.x on any device
             # what the runtime then calls (fla, or the twin's own path without it) is observed by the dump (`kernels`)
             guards["fla_kernels"] = f"not replaced: the runtime imports fla itself; {kernels_why}"
+            if os.environ.get("TRITON_INTERPRET") == "1" and fla_cpu.real_fla_with_triton():
+                from parity.torch_ref import triton_interp
+
+                # stock Triton's interpreter cannot run fla's KDA kernels correctly (triton_interp.py); process-wide
+                guards["triton_interpreter"] = {"patches": triton_interp.install()}
         guards["transformers_shims"] = ["import_utils.is_torch_fx_available", "ROPE_INIT_FUNCTIONS['default']"]
         try:
             with _quiet_transformers():
