@@ -10,6 +10,12 @@ Forks recorded (values are what `parity.torch_ref.semantics.probe` measured on t
   they enter the recurrence: `float32` | `bfloat16` | `float16` | `not-applicable` (no KDA layer). The official file
   keeps both in fp32 (the gate is computed inside the fla kernel, β = σ(b_proj(x).float())); the built-in rounds both
   to the model dtype (official_remote_code.md §5). Intended: float32 (facts §8).
+- `kda_chunk_precision`: the dtype the KDA chunk kernel (`chunk_kda`, prompts over 64 tokens) keeps its intermediates
+  in: `float32` | `bfloat16` | `float16` | `not-applicable`. fla's chunked Triton kernels store q̂/k̂, the intra-chunk
+  A matrices, w/u, the per-chunk states and the new values in the input dtype (the list with file:line is in
+  `parity.torch_ref.fla_cpu`): a bf16 run with the real kernels is `bfloat16`; the pure-PyTorch paths and the
+  stand-ins compute fp32 unless the stand-ins' faithful mode is chosen (`dump_hf --kda-chunk-precision kernel`).
+  Intended: float32 (the maths; a port keeping fp32 intermediates is more precise than the kernel, not wrong).
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 SEMANTICS_VERSION = 1
-FORKS = ("swiglu_clamp", "kda_gate_precision", "kda_beta_precision")
-INTENDED = {"swiglu_clamp": "applied", "kda_gate_precision": "float32", "kda_beta_precision": "float32"}
+FORKS = ("swiglu_clamp", "kda_gate_precision", "kda_beta_precision", "kda_chunk_precision")
+INTENDED = {"swiglu_clamp": "applied", "kda_gate_precision": "float32", "kda_beta_precision": "float32",
+            "kda_chunk_precision": "float32"}
 # Values that say "this fork does not arise here" (nothing to depart from).
 NEUTRAL = {"not-configured", "not-applicable"}
 DESCRIPTION = {
@@ -26,6 +33,8 @@ DESCRIPTION = {
                     "share_expert_swiglu_limit_list (facts §5.7, §10.1)",
     "kda_gate_precision": "dtype of the KDA forget gate entering the recurrence (official_remote_code.md §5)",
     "kda_beta_precision": "dtype of the KDA beta entering the recurrence (official_remote_code.md §5)",
+    "kda_chunk_precision": "dtype of the KDA chunk kernel's intermediates (fla's chunk_kda rounds them to the input "
+                           "dtype; prompts over 64 tokens)",
 }
 
 
@@ -52,7 +61,8 @@ def reference_options(sem: dict[str, Any] | None, *, intended: bool = False) -> 
 
     return {"clamp": src["swiglu_clamp"] != "ignored",
             "kda_gate_dtype": dtype(src["kda_gate_precision"]),
-            "kda_beta_dtype": dtype(src["kda_beta_precision"])}
+            "kda_beta_dtype": dtype(src["kda_beta_precision"]),
+            "kda_chunk_dtype": dtype(src["kda_chunk_precision"])}
 
 
 def summarize(sem: dict[str, Any] | None) -> str:

@@ -1,4 +1,4 @@
-"""parity.calibrate: per-point noise statistic, aggregation and rule proposal on hand-made numbers with known answers;
+"""parity.calibration.rules: per-point noise statistic, aggregation and rule proposal on hand-made numbers with known answers;
 the committed default table loads and names the command that calibrated it."""
 
 import math
@@ -8,7 +8,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from parity import calibrate as C
+from parity.calibration import noise as N
+from parity.calibration import rules as C
+from parity.points import site_class
 from parity.numerics.compare import compare
 from parity.numerics.tolerances import _parse_text, default_rules
 
@@ -25,7 +27,7 @@ def test_point_noise_known_values():
     test = ref.copy()
     test[0, 0] += 2.0 ** -7  # 1.0078125: 1 ULP of 1.0 (ulp(1)=2^-7), 2 ULP of the row RMS
     test[0, 3] += 3 * 2.0 ** -7
-    s = C.point_noise(ref.astype(BF16), test.astype(BF16), "bfloat16")
+    s = N.point_noise(ref.astype(BF16), test.astype(BF16), "bfloat16")
     assert s["n"] == 4
     assert s["floor_needed"] == pytest.approx(3 * 2.0 ** -7 / 2.0 ** -8)  # = 6 ULP of the row RMS
     raw3 = int(np.abs(np.int64(test[0, 3].astype(BF16).view(np.uint16)) - np.int64(ref[0, 3].astype(BF16).view(np.uint16))))
@@ -47,7 +49,7 @@ def test_point_noise_rtol_floor_fp32():
     test = ref.copy()
     test[0, 1] = np.float32(1.0 + 5e-6)  # within rtol 1e-5: needs no floor
     test[0, 3] = np.float32(1e-6 + 64 * 2.0 ** -24)  # near zero: outside rtol, 64 fp32-ULP of row RMS (ulp = 2^-24)
-    s = C.point_noise(ref, test, "float32")
+    s = N.point_noise(ref, test, "float32")
     rms_ulp = 2.0 ** -24  # rms ≈ 0.866 ∈ [0.5, 1)
     assert s["rtol_floor_needed"] == pytest.approx(abs(float(test[0, 3]) - 1e-6) / rms_ulp, rel=1e-6)
     assert s["rtol_floor_needed"] == pytest.approx(64, rel=1e-3)
@@ -57,16 +59,16 @@ def test_point_noise_rtol_floor_fp32():
 def test_nice_and_floor_for():
     assert [C.nice(x) for x in (0, 0.3, 1, 1.2, 1.5, 1.6, 2, 2.5, 3, 3.1, 46, 80, 100)] == \
         [0, 1, 1, 1.5, 1.5, 2, 2, 3, 3, 4, 48, 96, 128]
-    assert C.floor_for(0) == 0 and C.floor_for(3) == 4 and C.floor_for(20) == 32 and C.floor_for(1e9) == C.FLOORS[-1]
+    assert C.floor_for(0) == 0 and C.floor_for(3) == 4 and C.floor_for(20) == 32 and C.floor_for(1e9) == N.FLOORS[-1]
 
 
 # ------------------------------------------------------------------------------------------------ aggregation
 def _pt(site="attention.core", mode="layer", dtype="bfloat16", compute="bfloat16", need_p999=1.0, need_p99=1.0,
         frac_over2=0.0, max_eff=0, rtol_need=0.0, corpus="c", layer=0):
     by_floor = {str(F): {"max": max_eff, "p99": 0, "p999": 0, "frac_over": {str(k): frac_over2 if k == 2 else 0.0
-                                                                       for k in C.KS}} for F in C.FLOORS_FP32}
+                                                                       for k in C.KS}} for F in N.FLOORS_FP32}
     return {"corpus": corpus, "mode": mode, "phase": "prefill", "step": 0, "layer": layer, "site": site,
-            "class": C.site_class(site), "dtype": dtype, "compute": compute, "n": 1000, "max_ulp_raw": max_eff,
+            "class": site_class(site), "dtype": dtype, "compute": compute, "n": 1000, "max_ulp_raw": max_eff,
             "floor_needed": need_p999, "floor_needed_p99": need_p99, "floor_needed_p999": need_p999,
             "rtol_floor_needed": rtol_need, "rel_l2": 1e-3, "nonfinite_mismatches": 0, "by_floor": by_floor}
 

@@ -97,7 +97,7 @@ def test_default_table_has_rates_only_for_isolated_bf16():
 def test_rates_file_is_what_its_corpus_gives():
     """The committed rates and RMSNorm scale noises are re-derived from the committed corpus (generated, not edited by
     hand)."""
-    from parity import exactness_corpus as ec
+    from parity.calibration import exactness_rates as ec
 
     records = ec.load_corpus(ROOT / "parity" / "numerics" / "calibration" / "exactness_rows.json.gz")
     want = tomllib.loads(ec.rates_toml(ec.derive_rates(records), "# header", ec.derive_scale_noise(records)))["rule"]

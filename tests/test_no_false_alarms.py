@@ -10,7 +10,7 @@ Measured with the table calibrated by `tools/calibrate.py --seeds 1,2,3,4 --prom
 (`LING3_FULL_SWEEP=1 python -m pytest tests/test_no_false_alarms.py -q -n 2`, 99 s, 2 cores): seeds 11-20 all pass
 (fp32 tier). The earlier 2-seed table raised a false alarm on seed 5 (fp32 KDA core, one near-zero element) and on the
 bundled tiny-flash bf16 dump (one ill-conditioned o_norm row); the larger corpus and dropping per-element hard limits
-in the propagating modes (parity/calibrate.py `propose_rule`) removed both.
+in the propagating modes (parity/calibration/rules.py `propose_rule`) removed both.
 """
 
 from __future__ import annotations

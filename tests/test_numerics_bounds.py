@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from parity.numerics import compare, default_rules
-from parity.numerics import bounds as B
+from parity.calibration import bounds as B
 from parity.numerics.tolerances import _parse_text
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Detection resolution (parity.numerics.resolution): plants checked against numpy's own grid stepping, and the
+"""Detection resolution (parity.calibration.resolution): plants checked against numpy's own grid stepping, and the
 resolution of simple rules against what the rule's definition implies."""
 
 from pathlib import Path
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from parity.numerics import ToleranceRule
-from parity.numerics.resolution import detection_rate, plant, resolution
+from parity.calibration.resolution import detection_rate, plant, resolution
 
 BF16 = ml_dtypes.bfloat16
 
@@ -65,7 +65,7 @@ def test_resolution_refuses_a_failing_pair():
 
 @pytest.mark.parametrize("mode", ["layer", "isolated"])
 def test_a_detected_plant_is_pinned_to_its_site(mode, tmp_path):
-    """The premise of tools/resolution.py: a perturbation planted in one dumped site that its comparison detects is
+    """The premise of `tools/calibrate.py resolution`: a perturbation planted in one dumped site that its comparison detects is
     the report's first divergence *and* its source — here a 64-ULP plant into attention.o_norm of layer 1 of a copy of
     the bundled tiny-bf16 dump, replayed end to end."""
     import shutil

@@ -66,3 +66,11 @@ def test_the_lock_pins_every_direct_requirement_within_its_range():
 def test_the_lock_says_how_it_was_made():
     header = "".join(line for line in LOCK.read_text().splitlines(keepends=True)[:8] if line.startswith("#"))
     assert "requirements/compile-lock.sh" in header and (ROOT / "requirements" / "compile-lock.sh").is_file()
+
+
+def test_readme_is_short_and_its_first_screen_leads_to_install_run_port_and_failure():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move reference material to docs/"
+    first_screen = "\n".join(lines[:25])
+    for anchor in ("#install-and-run", "#use-it-dump-replay-read", "#test-your-port", "#read-a-failure"):
+        assert f"]({anchor})" in first_screen, f"README's first 25 lines lack a link to {anchor}"

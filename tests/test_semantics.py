@@ -60,9 +60,10 @@ def test_kda_precision_probe_native_vs_twin(dtype, want):
 def test_departures_and_reference_options():
     sem = {"swiglu_clamp": "ignored", "kda_gate_precision": "bfloat16", "kda_beta_precision": "float32"}
     assert [d["fork"] for d in S.departures(sem)] == ["swiglu_clamp", "kda_gate_precision"]
-    assert S.reference_options(sem) == {"clamp": False, "kda_gate_dtype": "bfloat16", "kda_beta_dtype": "float32"}
+    assert S.reference_options(sem) == {"clamp": False, "kda_gate_dtype": "bfloat16", "kda_beta_dtype": "float32",
+                                        "kda_chunk_dtype": "float32"}
     assert S.reference_options(sem, intended=True) == {"clamp": True, "kda_gate_dtype": "float32",
-                                                       "kda_beta_dtype": "float32"}
+                                                       "kda_beta_dtype": "float32", "kda_chunk_dtype": "float32"}
     neutral = {"swiglu_clamp": "not-configured", "kda_gate_precision": "not-applicable",
                "kda_beta_precision": "float32"}
     assert S.departures(neutral) == [] and S.reference_options(neutral)["clamp"] is True

@@ -1,15 +1,24 @@
 #!/usr/bin/env python3
-"""Calibrate the default tolerance table from measured reference self-noise (thin CLI over parity.calibrate).
+"""The calibration tool (thin CLI over parity.calibration): one corpus walk, every derived quantity.
 
-    python tools/calibrate.py [--seeds 1,2] [--prompt-lens 40,160] [--write-defaults]
-
-Writes parity/numerics/calibration/{measurements.json, calibration.md, proposed_tolerances.toml} and, with
---write-defaults, the proposed table to parity/numerics/default_tolerances.toml.
+    python tools/calibrate.py corpus [--seeds 1,2,3,4 --prompt-lens 40,160 --decode-steps 4 ...]
+                                     [--exactness-seeds 1,2,3,4 --exactness-prompt-lens 24,100 ...] [--workdir W]
+        build the corpus (random checkpoints, twin dumps, reference replays), store the measurements in
+        parity/numerics/calibration/ and write every generated file (as `rules`); --only noise|exactness walks one
+        of the two corpora and keeps the other's stored measurements; --remeasure MODES replays the noise corpus
+        kept in --workdir again in MODES instead of rebuilding it
+    python tools/calibrate.py rules [--from parity/numerics/calibration] [--check]
+        re-derive from stored measurements: default_tolerances.toml (+ calibration/proposed_tolerances.toml,
+        calibration.md, measurements.json), safety_bounds.toml, exactness_rates.toml; --check writes nothing and
+        exits 1 naming every file that differs
+    python tools/calibrate.py resolution [--dump D ...] [--modes layer,isolated] [--seeds 5] [--pairs 40] [--json F]
+        detection resolution of each replay mode (markdown table; parity.calibration.resolution)
 """
+
+from __future__ import annotations
 
 import argparse
 import datetime
-import gzip
 import json
 import shlex
 import sys
@@ -20,99 +29,185 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from parity import calibrate as C  # noqa: E402
+from parity.calibration import corpus as K  # noqa: E402
+from parity.calibration import pipeline as P  # noqa: E402
+from parity.calibration import rules as R  # noqa: E402
+from parity.errors import ParityError  # noqa: E402
 
 
 def _ints(s: str) -> tuple[int, ...]:
     return tuple(int(x) for x in s.split(",") if x.strip())
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = C.CorpusSpec()
-    ap.add_argument("--presets", default=",".join(d.presets))
-    ap.add_argument("--seeds", default=",".join(map(str, d.seeds)))
-    ap.add_argument("--native-seeds", default=",".join(map(str, d.native_seeds)),
-                    help="seeds of the unclamped tiny-flash compared against the built-in model ('' = none)")
-    ap.add_argument("--prompt-lens", default=",".join(map(str, d.prompt_lens)))
-    ap.add_argument("--dtypes", default=",".join(d.dtypes))
-    ap.add_argument("--decode-steps", type=int, default=d.decode_steps)
-    ap.add_argument("--modes", default=",".join(d.modes))
-    ap.add_argument("--safety", type=float, default=C.SAFETY)
-    ap.add_argument("--out", default=str(ROOT / "parity/numerics/calibration"))
-    ap.add_argument("--workdir", default=None, help="keep checkpoints/dumps here (default: a temp dir)")
-    ap.add_argument("--from-points", default=None,
-                    help="re-aggregate points.json.gz/routing.json.gz of an earlier run in this directory (no corpus)")
-    ap.add_argument("--remeasure", default=None,
-                    help="with --from-points and --workdir: replay the kept corpus dumps again in these modes "
-                         "(comma-separated) and replace their points (the corpus is unchanged)")
-    ap.add_argument("--write-defaults", action="store_true",
-                    help="also write the proposed table to parity/numerics/default_tolerances.toml")
-    a = ap.parse_args(argv)
-    if a.decode_steps < 2:
-        ap.error("--decode-steps must be ≥ 2")
-    spec = C.CorpusSpec(presets=tuple(a.presets.split(",")), seeds=_ints(a.seeds), prompt_lens=_ints(a.prompt_lens),
-                        dtypes=tuple(a.dtypes.split(",")), decode_steps=a.decode_steps,
-                        modes=tuple(a.modes.split(",")), native_seeds=_ints(a.native_seeds))
-    command = "python tools/calibrate.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
-    date = datetime.date.today().isoformat()
-    mach = C.machine()
+def _words(s: str) -> tuple[str, ...]:
+    return tuple(x for x in s.split(",") if x)
+
+
+def _command(argv: list[str]) -> str:
+    return "python tools/calibrate.py " + " ".join(shlex.quote(x) for x in argv)
+
+
+def _write(files: dict[Path, str | bytes], root: Path) -> None:
+    for rel, content in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content, encoding="utf-8")
+        print(f"wrote {rel}")
+
+
+def _derive_and_write(meas: K.Measurement, noise_meta: dict, ex_meta: dict, command: str, a: argparse.Namespace) -> None:
+    files, log = P.derive(meas, noise_meta, ex_meta, command, a.safety, a.bounds_safety)
+    print("\n".join(log))
+    _write({**P.measured_files(meas, noise_meta, ex_meta), **files}, Path(a.out))
+
+
+def cmd_corpus(a: argparse.Namespace, argv: list[str]) -> int:
     t0 = time.perf_counter()
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    if a.from_points:
-        src = Path(a.from_points)
-        meas = C.Measurement(points=json.load(gzip.open(src / "points.json.gz", "rt")),
-                             routing=json.load(gzip.open(src / "routing.json.gz", "rt")),
-                             runs=json.load(open(src / "measurements.json"))["runs"])
-        old = json.load(open(src / "measurements.json"))
-        command, date, mach = old["command"], old["date"], old["machine"]
-        if a.remeasure:
-            if not a.workdir:
-                ap.error("--remeasure needs --workdir (the kept corpus of the run that made --from-points)")
-            modes = tuple(m for m in a.remeasure.split(",") if m)
-            meas = C.remeasure(meas, Path(a.workdir), modes,
-                               log=lambda s: print(f"[{time.perf_counter() - t0:6.0f}s] {s}", flush=True))
-            command += (" && python tools/calibrate.py " +
-                        " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])))
-            date = datetime.date.today().isoformat()
-            with gzip.open(Path(a.out) / "points.json.gz", "wt") as f:
-                json.dump(meas.points, f)
-            with gzip.open(Path(a.out) / "routing.json.gz", "wt") as f:
-                json.dump(meas.routing, f)
-        # the corpus is the measured one, not this invocation's (default) corpus options
-        spec = C.CorpusSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in old["corpus"].items()})
-    else:
-        meas = None
+    command = _command(argv)
+    today = datetime.date.today().isoformat()
+    log = (lambda s: print(f"[{time.perf_counter() - t0:6.0f}s] {s}", flush=True))
+    spec = K.CorpusSpec(presets=_words(a.presets), seeds=_ints(a.seeds), prompt_lens=_ints(a.prompt_lens),
+                        dtypes=_words(a.dtypes), decode_steps=a.decode_steps, modes=_words(a.modes),
+                        native_seeds=_ints(a.native_seeds))
+    xspec = K.ExactnessSpec(seeds=_ints(a.exactness_seeds), prompt_lens=_ints(a.exactness_prompt_lens),
+                            decode_steps=a.exactness_decode_steps)
+    stored = P.load(ROOT / P.MEASURED) if (a.only or a.remeasure) else None
+    if a.remeasure:
+        meas, noise_meta, ex_meta = stored
+        meas = K.remeasure(meas, Path(a.workdir), _words(a.remeasure), log=log)
+        noise_meta = {**noise_meta, "command": noise_meta["command"] + " && " + command, "date": today}
+        _derive_and_write(meas, noise_meta, ex_meta, command, a)
+        return 0
+    runs = (K.noise_runs(spec) if a.only != "exactness" else []) + \
+        (K.exactness_runs(xspec) if a.only != "noise" else [])
     with tempfile.TemporaryDirectory(prefix="ling3-calib-") as tmp:
-      if meas is None:
         work = Path(a.workdir or tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        meas = C.run_calibration(spec, work, log=lambda s: print(f"[{time.perf_counter() - t0:6.0f}s] {s}", flush=True))
-        with gzip.open(Path(a.out) / "points.json.gz", "wt") as f:
-            json.dump(meas.points, f)
-        with gzip.open(Path(a.out) / "routing.json.gz", "wt") as f:
-            json.dump(meas.routing, f)
-    n_flip = C.flag_after_flips(meas.points, meas.routing)
-    print(f"{n_flip} point(s) downstream of a non-benign routing flip left out of the rules (reported)")
-    rules, floors = C.propose_rules(meas.points, a.safety)
-    aggs = C.aggregate(meas.points, floors)
-    routing = C.routing_summary(meas.routing)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    toml = C.rules_toml(rules, C.toml_header(command, date, mach, spec, a.safety))
-    (out / "proposed_tolerances.toml").write_text(toml, encoding="utf-8")
-    (out / "measurements.json").write_text(json.dumps({
-        "command": command, "date": date, "machine": mach, "corpus": spec.__dict__, "safety": a.safety,
-        "seconds": round(time.perf_counter() - t0, 1), "excluded_after_nonbenign_flip": n_flip,
-        "groups": [{"class": k[0], "mode": k[1], "dtype": k[2], "compute": k[3], **v} for k, v in aggs.items()],
-        "routing": routing, "runs": meas.runs,
-    }, indent=1, default=str), encoding="utf-8")
-    (out / "calibration.md").write_text(C.markdown(aggs, routing, meas.runs, command, date, mach, rules),
-                                        encoding="utf-8")
-    if a.write_defaults:
-        (ROOT / "parity/numerics/default_tolerances.toml").write_text(toml, encoding="utf-8")
-    print(f"done in {time.perf_counter() - t0:.0f}s; wrote {out}")
+        meas = K.walk(runs, work, log=log)
+    seconds = round(time.perf_counter() - t0, 1)
+    mine = {"command": command, "date": today, "machine": R.machine()}
+    noise_meta = {**mine, "corpus": spec.__dict__, "safety": a.safety, "seconds": seconds}
+    ex_meta = {**mine, "corpus": xspec.__dict__}
+    if a.only == "exactness":  # keep the stored noise corpus
+        meas = K.Measurement(points=stored[0].points, routing=stored[0].routing, runs=stored[0].runs, rows=meas.rows)
+        noise_meta = stored[1]
+    elif a.only == "noise":  # keep the stored exactness corpus
+        meas.rows, ex_meta = stored[0].rows, stored[2]
+    _derive_and_write(meas, noise_meta, ex_meta, command, a)
+    print(f"done in {time.perf_counter() - t0:.0f}s")
     return 0
+
+
+def cmd_rules(a: argparse.Namespace, argv: list[str]) -> int:
+    meas, noise_meta, ex_meta = P.load(Path(a.from_))
+    files, log = P.derive(meas, noise_meta, ex_meta, _command(argv), a.safety, a.bounds_safety)
+    print("\n".join(log))
+    if a.check:
+        stale = [str(rel) for rel, text in files.items() if (Path(a.out) / rel).read_text(encoding="utf-8") != text]
+        for rel in stale:
+            print(f"{rel}: differs from what the stored measurements give (run `python tools/calibrate.py rules`)")
+        return 1 if stale else 0
+    _write(files, Path(a.out))
+    return 0
+
+
+def cmd_resolution(a: argparse.Namespace, argv: list[str]) -> int:
+    from parity.calibration.resolution import collect, table_rows
+
+    dumps = [Path(d) for d in a.dump] if a.dump else sorted((ROOT / "dumps").glob("*.h5"))
+    rows = []
+    print("| dump | compute | mode | site class | points | relative (≥95 %) | ULP shift (≥95 %) |")
+    print("|---|---|---|---|---|---|---|")
+    for d in dumps:
+        for mode in _words(a.modes):
+            t0 = time.perf_counter()
+            by_class, failing, compute = collect(d, mode)
+            for r in table_rows(by_class, limit=a.pairs, seeds=range(a.seeds), rate=a.rate):
+                row = {"dump": d.name, "compute": compute, "mode": mode, **r, "failing_unplanted": failing}
+                rows.append(row)
+                fmt = (lambda v: "not within the scan" if v is None else f"{v:g}")
+                print(f"| {d.name} | {compute} | {mode} | {r['class']} | {r['points']} | {fmt(r['relative'])} | "
+                      f"{fmt(r['ulps'])} |", flush=True)
+            print(f"<!-- {d.name} {mode}: {time.perf_counter() - t0:.0f}s, {failing} point(s) failing unplanted "
+                  f"left out -->", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    d, x = K.CorpusSpec(), K.ExactnessSpec()
+    c = sub.add_parser("corpus", help="build the corpus, store the measurements, write every generated file")
+    c.add_argument("--presets", default=",".join(d.presets))
+    c.add_argument("--seeds", default=",".join(map(str, d.seeds)))
+    c.add_argument("--native-seeds", default=",".join(map(str, d.native_seeds)),
+                   help="seeds of the unclamped tiny-flash compared against the built-in model ('' = none)")
+    c.add_argument("--prompt-lens", default=",".join(map(str, d.prompt_lens)))
+    c.add_argument("--dtypes", default=",".join(d.dtypes))
+    c.add_argument("--decode-steps", type=int, default=d.decode_steps)
+    c.add_argument("--modes", default=",".join(d.modes))
+    c.add_argument("--exactness-seeds", default=",".join(map(str, x.seeds)))
+    c.add_argument("--exactness-prompt-lens", default=",".join(map(str, x.prompt_lens)))
+    c.add_argument("--exactness-decode-steps", type=int, default=x.decode_steps)
+    c.add_argument("--only", choices=("noise", "exactness"), default=None,
+                   help="walk one corpus only; the other's stored measurements are kept")
+    c.add_argument("--remeasure", default=None,
+                   help="replay the noise corpus kept in --workdir again in these modes (comma-separated) and "
+                        "replace their stored points (the corpus is unchanged)")
+    c.add_argument("--workdir", default=None, help="keep checkpoints/dumps here (default: a temp dir)")
+    r = sub.add_parser("rules", help="re-derive every generated file from the stored measurements")
+    r.add_argument("--from", dest="from_", default=str(ROOT / P.MEASURED), help="folder of the stored measurements")
+    r.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated file differs")
+    for s in (c, r):
+        s.add_argument("--out", default=str(ROOT),
+                       help="write under this folder instead of the repository (same relative paths)")
+        s.add_argument("--safety", type=float, default=R.SAFETY, help="safety factor of the tolerance rules")
+        s.add_argument("--bounds-safety", type=float, default=None,
+                       help="safety factor of the bounds (default: from the corpus' growth, parity/calibration/bounds.py)")
+    s = sub.add_parser("resolution", help="detection resolution of each replay mode")
+    s.add_argument("--dump", action="append", default=None, help="dump(s) (default: the bundled dumps)")
+    s.add_argument("--modes", default="layer,isolated")
+    s.add_argument("--seeds", type=int, default=5, help="trials per pair and magnitude")
+    s.add_argument("--pairs", type=int, default=40, help="at most this many points per class (evenly spaced)")
+    s.add_argument("--rate", type=float, default=0.95)
+    s.add_argument("--json", default=None, help="write the rows here")
+    return ap
+
+
+def legacy(argv: list[str]) -> list[str]:
+    """The arguments of the pre-issue-27 tool (no subcommand) as a subcommand's: --from-points DIR -> rules --from
+    DIR (with --remeasure: corpus --remeasure); anything else -> corpus. --write-defaults is implied now."""
+    rest = [x for x in argv if x != "--write-defaults"]
+    if "--from-points" in rest:
+        i = rest.index("--from-points")
+        src = rest[i + 1]
+        del rest[i:i + 2]
+        return ["corpus", *rest] if "--remeasure" in rest else ["rules", "--from", src, *rest]
+    return ["corpus", *rest]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0].startswith("--") and argv[0] != "--help":
+        argv = legacy(argv)
+        print(f"tools/calibrate.py needs a subcommand now: running `{_command(argv)}`", file=sys.stderr)
+    ap = parser()
+    a = ap.parse_args(argv)
+    if a.command == "corpus":
+        if a.decode_steps < 2:
+            ap.error("--decode-steps must be ≥ 2")
+        if a.remeasure and not a.workdir:
+            ap.error("--remeasure needs --workdir (the kept corpus of the run that made the stored measurements)")
+    run = {"corpus": cmd_corpus, "rules": cmd_rules, "resolution": cmd_resolution}[a.command]
+    try:
+        return run(a, argv)
+    except ParityError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

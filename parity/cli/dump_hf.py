@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-tf32", action="store_true",
                    help="fp32 on CUDA: leave TF32 dots allowed (default: IEEE fp32 forced for torch and Triton); "
                         "recorded in the dump's `kernels` attr")
+    p.add_argument("--kda-chunk-precision", choices=["fp32", "kernel"], default="fp32",
+                   help="how the fla CPU stand-ins' chunk_kda (prompts over 64 tokens) rounds its intermediates: fp32 "
+                        "(default, the maths) or kernel (fla's chunked Triton kernels' bf16 rounding points); "
+                        "recorded as the dump's semantics fork kda_chunk_precision. Real fla kernels always round "
+                        "as the kernel does")
     p.add_argument("--device", default="cpu", help="cpu | cuda | auto (device_map=auto across GPUs)")
     p.add_argument("--dtype", default="bf16", type=parse_dtypes,
                    help="bf16 | fp32, or a comma-separated list (fp32,bf16: a pair of dumps of the same prompt in one "
@@ -287,7 +292,7 @@ def _options(args, dtype: str, layers, sites):
         stats_only=args.stats_only, cache_snapshots=not args.no_cache_snapshots, force=args.force,
         write_thread={"auto": None, "on": True, "off": False}[args.write_thread], compression=args.compression,
         seed=args.seed, progress=not args.no_progress, trust_remote_code=args.trust_remote_code,
-        allow_tf32=args.allow_tf32,
+        allow_tf32=args.allow_tf32, kda_chunk_precision=args.kda_chunk_precision,
     )
 
 

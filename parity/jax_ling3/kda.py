@@ -101,7 +101,7 @@ def kda_recurrent(q, k, v, g, beta, scale: float, initial_state=None):
 
 
 def kda_chunked(q, k, v, g, beta, scale: float, initial_state=None, chunk: int = CHUNK,
-                heads_per_step: int | None = HEADS_PER_STEP):
+                heads_per_step: int | None = HEADS_PER_STEP, inter_dtype: str = "float32"):
     """Chunk-parallel form (WY/UT transform), exact in exact arithmetic. Any T (padded to a multiple of `chunk` with
     g = 0, β = 0, k = q = v = 0, which leaves outputs and the state untouched). Heads are computed
     `heads_per_step` at a time (memory only, see `HEADS_PER_STEP`; None or ≥ H: all at once).
@@ -112,7 +112,13 @@ def kda_chunked(q, k, v, g, beta, scale: float, initial_state=None, chunk: int =
       o_t   = (s q_t ⊙ e^{G_t})ᵀ S0 + Σ_{s≤t} (s q_t · (k_s ⊙ e^{G_t − G_s})) u_s
       S_end = diag(e^{G_C}) S0 + Σ_s (k_s ⊙ e^{G_C − G_s}) u_sᵀ
     Pairwise decays are formed as exp(G_t − G_s) with s ≤ t (≤ 1), never as e^{G_t}·e^{−G_s}, which overflows fp32
-    over a chunk (g ≥ −5 per step, 64 steps)."""
+    over a chunk (g ≥ −5 per step, 64 steps).
+
+    `inter_dtype` "bfloat16" rounds the intermediates fla's chunked kernels store in the input dtype (a semantic fork,
+    `parity.semantics` `kda_chunk_precision`; the list with file:line is in `parity.torch_ref.fla_cpu`): see
+    `_chunk_step_rounded`. "float32" (default) keeps everything fp32."""
+    if inter_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"kda_chunked: inter_dtype {inter_dtype!r}: expected 'float32' or 'bfloat16'")
     B, T, H, K = q.shape
     hs = heads_per_step
     if hs and hs < H and H % hs == 0:  # the same computation per group of hs heads, one group at a time
@@ -122,7 +128,7 @@ def kda_chunked(q, k, v, g, beta, scale: float, initial_state=None, chunk: int =
         def split(t):  # [B, T, H, ...] -> [G, B, T, hs, ...]
             return jnp.moveaxis(t.reshape(B, T, G, hs, *t.shape[3:]), 2, 0)
 
-        o, S = jax.lax.map(lambda a: kda_chunked(*a[:5], scale, a[5], chunk, None),
+        o, S = jax.lax.map(lambda a: kda_chunked(*a[:5], scale, a[5], chunk, None, inter_dtype),
                            (*(split(t) for t in (q, k, v, g, beta)), S0.reshape(B, G, hs, K, -1).swapaxes(0, 1)))
         return jnp.moveaxis(o, 0, 2).reshape(B, T, H, -1), jnp.moveaxis(S, 0, 1).reshape(B, H, K, -1)
     q, k, v, g, beta = (t.astype(F32) for t in (q, k, v, g, beta))
@@ -136,10 +142,16 @@ def kda_chunked(q, k, v, g, beta, scale: float, initial_state=None, chunk: int =
         t = t.reshape(B, n, chunk, *t.shape[2:])
         return jnp.moveaxis(jnp.moveaxis(t, 1, 0), 3, 2)
 
-    qc, kc, vc, gc, bc = (to_chunks(t) for t in (q * scale, k, v, g, beta))
     C = chunk
     incl = jnp.tril(jnp.ones((C, C), bool))  # s <= t
     strict = jnp.tril(jnp.ones((C, C), bool), -1)  # s < t
+    if inter_dtype == "bfloat16":
+        qc, kc, vc, gc, bc = (to_chunks(t) for t in (_bf16(q), _bf16(k), v, g, beta))  # q̂, k̂ leave l2norm in bf16
+        step_r = _chunk_step_rounded(scale, incl, strict)
+        S, o = jax.lax.scan(step_r, S0, (qc, kc, vc, gc, bc))
+        o = jnp.moveaxis(o, 0, 1)
+        return jnp.swapaxes(o, 2, 3).reshape(B, n * C, H, V)[:, :T], S
+    qc, kc, vc, gc, bc = (to_chunks(t) for t in (q * scale, k, v, g, beta))
 
     def step(S, inp):
         qi, ki, vi, gi, bi = inp  # [B,H,C,K], [B,H,C,K], [B,H,C,V], [B,H,C,K], [B,H,C]
@@ -169,7 +181,50 @@ def kda_chunked(q, k, v, g, beta, scale: float, initial_state=None, chunk: int =
     return o, S
 
 
+def _bf16(x: jnp.ndarray) -> jnp.ndarray:
+    """x rounded to bf16 (round to nearest even), kept in fp32 for the fp32 arithmetic that follows."""
+    return x.astype(jnp.bfloat16).astype(F32)
+
+
+def _chunk_step_rounded(scale: float, incl, strict):
+    """One chunk of `kda_chunked` with fla's bf16 rounding points (fla_cpu's list, numbered alike): Aqk (2),
+    (I + A)⁻¹ (3), u (4), w (5), k ⊙ e^{G_C − G} (6), the state entering the chunk as the dots read it (7), the new
+    values (8), q ⊙ e^G (9); the carried state and every accumulation stay fp32. q, k arrive rounded (1)."""
+    def step(S, inp):
+        qi, ki, vi, gi, bi = inp
+        C = qi.shape[-2]
+        G = jnp.cumsum(gi, axis=-2)
+        diff = G[..., :, None, :] - G[..., None, :, :]
+        decay = jnp.exp(jnp.where(incl[:, :, None], diff, -jnp.inf))
+        A = jnp.where(strict, bi[..., :, None] * jnp.einsum("bhtk,bhsk,bhtsk->bhts", ki, ki, decay, precision=HI), 0.0)
+        eye = jnp.broadcast_to(jnp.eye(C, dtype=F32), A.shape)
+        Akk = _bf16(solve_triangular(A + jnp.eye(C, dtype=F32), eye, lower=True, unit_diagonal=True))  # 3
+        Aqk = _bf16(scale * jnp.where(incl, jnp.einsum("bhtk,bhsk,bhtsk->bhts", qi, ki, decay, precision=HI), 0.0))
+        eG = jnp.exp(G)
+        u = _bf16(jnp.einsum("bhts,bhsv->bhtv", Akk, _bf16(bi[..., None] * vi), precision=HI))  # 4
+        w = _bf16(jnp.einsum("bhts,bhsk->bhtk", Akk, _bf16(bi[..., None] * ki * eG), precision=HI))  # 5
+        Gend = G[..., -1:, :]
+        kg = _bf16(ki * jnp.exp(Gend - G))  # 6
+        h = _bf16(S)  # 7
+        v_new = _bf16(u - jnp.einsum("bhtk,bhkv->bhtv", w, h, precision=HI))  # 8
+        o = scale * jnp.einsum("bhtk,bhkv->bhtv", _bf16(qi * eG), h, precision=HI) \
+            + jnp.einsum("bhts,bhsv->bhtv", Aqk, v_new, precision=HI)  # 9 (the caller rounds o)
+        S = jnp.exp(Gend[..., 0, :])[..., None] * S + jnp.einsum("bhsk,bhsv->bhkv", kg, v_new, precision=HI)
+        return S, o
+
+    return step
+
+
 KERNELS = {"naive": kda_naive, "recurrent": kda_recurrent, "chunked": kda_chunked}
+
+
+def chunk_options(mode: str, spec: LayerSpec) -> dict:
+    """Extra keyword arguments of `KERNELS[mode]`: the chunk kernel's intermediate precision where the spec departs
+    from fp32 (a semantic fork, parity.semantics); none otherwise, so a kernel wrapped with the plain signature
+    (the mutation catalogue's) keeps working on the default path."""
+    if mode == "chunked" and spec.kda_chunk_dtype != "float32":
+        return {"inter_dtype": spec.kda_chunk_dtype}
+    return {}
 
 
 # ------------------------------------------------------------------------------------------------ the layer
@@ -214,7 +269,7 @@ def kda_attention(p: dict, x: jnp.ndarray, spec: LayerSpec, state: tuple | None 
     mode = spec.kda_mode
     if mode == "auto":
         mode = "recurrent" if T <= CHUNK else "chunked"
-    o, S = KERNELS[mode](qn, kn, v, g, beta, d ** -0.5, S0)
+    o, S = KERNELS[mode](qn, kn, v, g, beta, d ** -0.5, S0, **chunk_options(mode, spec))
     core = o.astype(x.dtype)  # kernel output cast back to the q dtype (facts §8)
     pts["attention.core"] = core
     gp = linear(x, p["g_proj"])

@@ -51,7 +51,8 @@ class Ling3Model:
     keep_weights=False: each layer's weights are loaded, used and dropped in turn (peak ≈ one layer), also at every
     decode step; True keeps them resident (faster decode on small models).
     clamp=False drops the SwiGLU clamp (to compare with runtimes without it, facts §10.1); kda_gate_dtype /
-    kda_beta_dtype follow a runtime's KDA gate / beta precision (parity.semantics.reference_options)."""
+    kda_beta_dtype / kda_chunk_dtype follow a runtime's KDA gate / beta / chunk-kernel precision
+    (parity.semantics.reference_options)."""
 
     reader: Any
     dtype: str = "float32"
@@ -60,6 +61,7 @@ class Ling3Model:
     mla_absorbed: bool = True
     kda_gate_dtype: str = "float32"
     kda_beta_dtype: str = "float32"
+    kda_chunk_dtype: str = "float32"
     keep_weights: bool = False
     place: Callable | None = None  # e.g. sharding.placer(mesh)
     _weights: dict = field(default_factory=dict, repr=False)
@@ -71,7 +73,7 @@ class Ling3Model:
     def spec(self, i: int) -> LayerSpec:
         return layer_spec(self.config, i, self.dtype, clamp=self.clamp, kda_mode=self.kda_mode,
                           mla_absorbed=self.mla_absorbed, kda_gate_dtype=self.kda_gate_dtype,
-                          kda_beta_dtype=self.kda_beta_dtype)
+                          kda_beta_dtype=self.kda_beta_dtype, kda_chunk_dtype=self.kda_chunk_dtype)
 
     def _layer(self, i: int):
         if i in self._weights:

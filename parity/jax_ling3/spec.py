@@ -85,6 +85,9 @@ class LayerSpec:
     # "float32" (official file, intended) or "bfloat16" (transformers' built-in rounds both to the model dtype, ORC §5)
     kda_gate_dtype: str = "float32"
     kda_beta_dtype: str = "float32"
+    # Precision of the KDA chunk kernel's intermediates (a semantic fork, parity.semantics): "float32" (intended) or
+    # "bfloat16" (fla's chunked Triton kernels in a bf16 run round them, parity.torch_ref.fla_cpu's list)
+    kda_chunk_dtype: str = "float32"
 
 
 def model_spec(cfg: Ling3Config, dtype: str) -> ModelSpec:
@@ -117,13 +120,15 @@ def model_spec(cfg: Ling3Config, dtype: str) -> ModelSpec:
 
 def layer_spec(cfg: Ling3Config, i: int, dtype: str, *, clamp: bool = True, kda_mode: str = "auto",
                mla_absorbed: bool = True, kda_gate_dtype: str = "float32",
-               kda_beta_dtype: str = "float32") -> LayerSpec:
+               kda_beta_dtype: str = "float32", kda_chunk_dtype: str = "float32") -> LayerSpec:
     """Statics of layer i (i ≥ num_hidden_layers: an MTP layer, MLA + MoE without clamp, facts §2, §5.7).
     `clamp=False` drops the SwiGLU clamp (to follow runtimes that ignore it, facts §10.1); `kda_gate_dtype` /
-    `kda_beta_dtype` "bfloat16" round the KDA gate / beta as transformers' built-in does (parity.semantics)."""
+    `kda_beta_dtype` "bfloat16" round the KDA gate / beta as transformers' built-in does, `kda_chunk_dtype`
+    "bfloat16" the chunk kernel's intermediates as fla's chunked kernels do in bf16 (parity.semantics)."""
     if kda_mode not in ("auto", "chunked", "recurrent"):
         raise ConfigError(f"kda_mode {kda_mode!r}: expected 'auto', 'chunked' or 'recurrent'")
-    for name, v in (("kda_gate_dtype", kda_gate_dtype), ("kda_beta_dtype", kda_beta_dtype)):
+    for name, v in (("kda_gate_dtype", kda_gate_dtype), ("kda_beta_dtype", kda_beta_dtype),
+                    ("kda_chunk_dtype", kda_chunk_dtype)):
         if v not in ("float32", "bfloat16"):
             raise ConfigError(f"{name} {v!r}: expected 'float32' or 'bfloat16'")
     return LayerSpec(
@@ -136,6 +141,7 @@ def layer_spec(cfg: Ling3Config, i: int, dtype: str, *, clamp: bool = True, kda_
         mla_absorbed=mla_absorbed,
         kda_gate_dtype=kda_gate_dtype,
         kda_beta_dtype=kda_beta_dtype,
+        kda_chunk_dtype=kda_chunk_dtype,
     )
 
 

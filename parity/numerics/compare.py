@@ -14,7 +14,7 @@ reference's dtype = the precision the tensor was computed in; both sides rounded
     (the fp32 tier) — every element outside the floor has |a - b| ≤ atol + rtol·|ref| (elementwise, as
     torch.testing.assert_close; rtol/atol off count as 0), and — if the rule has `bound_rms` — every finite element
     outside the floor has |a - b| ≤ bound_rms · RMS of its reference row: the per-element safety bound, which
-    `allowed_fraction` never relaxes (so a few elements of finite garbage fail; reasoning: parity.numerics.bounds),
+    `allowed_fraction` never relaxes (so a few elements of finite garbage fail; reasoning: parity.calibration.bounds),
     and — if the rule has `inexact_row_rate` p0 (isolated mode) — the r rows holding any non-bit-identical element are
     not less likely than exactness.ALPHA under Binomial(rows, p0) (the exactness test: parity.numerics.exactness).
 Statistics: `max_ulp`, `p50/p99/p999_ulp` are effective (after the floor) — the numbers the rule judges;
@@ -329,7 +329,7 @@ def _compare_float(r: np.ndarray, t: np.ndarray, rule: ToleranceRule, name: str,
         lim = (rule.atol or 0.0) + (rule.rtol or 0.0) * np.abs(rv)
         n_tol_fail = int((fin & ~within & (diff > lim)).sum())
     n_bound, bound_at = 0, None
-    if rule.bound_rms is not None:  # per-element safety bound: no allowed fraction (parity.numerics.bounds)
+    if rule.bound_rms is not None:  # per-element safety bound: no allowed fraction (parity.calibration.bounds)
         beyond = fin & ~within & (ratio > rule.bound_rms)
         n_bound = int(beyond.sum())
         if n_bound:

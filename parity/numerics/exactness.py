@@ -14,7 +14,7 @@ last axis, as for the floor; `parity.numerics.compare` counts them (a row with a
 equal, matching NaN/Inf classes equal) and applies the test.
 
 p0 (`inexact_row_rate` of a tolerance rule) is calibrated per site class from a corpus of correct replays
-(`tools/exactness.py`, `derive_rate`): the pooled rate's one-sided upper confidence bound, raised until no corpus
+(`tools/calibrate.py`, `derive_rate`): the pooled rate's one-sided upper confidence bound, raised until no corpus
 point is less likely than `CORPUS_TAIL` under it — so the corpus itself sits well inside the pass region.
 """
 

@@ -17,7 +17,7 @@ two evaluations give the bracket. The check is only sound where the dump itself 
 formula, weight and eps made the dump): the judge verifies that first and does not apply the check otherwise.
 
 `rho` is `scale_noise · u · √n` (u = 2^-24, n the row length: fp32 summation error grows about as √n), with
-`scale_noise` calibrated per site class from correct replays (tools/exactness.py; `needed_scale_noise`).
+`scale_noise` calibrated per site class from correct replays (tools/calibrate.py; `needed_scale_noise`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ SCALE_NOISE_GRID = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
 
 def needed_scale_noise(x: np.ndarray, w: np.ndarray, eps: float, *outputs: np.ndarray) -> float:
     """The smallest `scale_noise` of SCALE_NOISE_GRID under which every element of every output lies in its bracket
-    (inf if none does): what a correct implementation needs, recorded per corpus point by tools/exactness.py."""
+    (inf if none does): what a correct implementation needs, recorded per corpus point by tools/calibrate.py."""
     n = np.asarray(x).shape[-1]
     for c in SCALE_NOISE_GRID:
         lo, hi = rms_norm_bracket(x, w, eps, rho_for(c, n))

@@ -208,7 +208,7 @@ def _p_l2norm_missing():
 
 def _p_kda_scale_missing():
     kda, layer, _, _ = _mods()
-    kernels = {k: (lambda f: lambda q, k, v, g, beta, scale, s0=None: f(q, k, v, g, beta, 1.0, s0))(f)
+    kernels = {k: (lambda f: lambda q, k, v, g, beta, scale, s0=None, **kw: f(q, k, v, g, beta, 1.0, s0, **kw))(f)
                for k, f in kda.KERNELS.items()}  # q not scaled by d^-1/2 (facts §3.6)
     return {(layer, "kda_attention"): _rebind(kda.kda_attention, KERNELS=kernels)}
 

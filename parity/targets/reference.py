@@ -76,9 +76,10 @@ class ReferenceTarget(Target):
                               "kda_recurrent", "decode", "mesh", "isolated", "mtp"})
 
     def __init__(self, *, clamp: bool = True, kda_mode: str = "auto", mla_absorbed: bool = True,
-                 kda_gate_dtype: str = "float32", kda_beta_dtype: str = "float32") -> None:
+                 kda_gate_dtype: str = "float32", kda_beta_dtype: str = "float32",
+                 kda_chunk_dtype: str = "float32") -> None:
         self.clamp, self.kda_mode, self.mla_absorbed = clamp, kda_mode, mla_absorbed
-        self.kda_gate_dtype, self.kda_beta_dtype = kda_gate_dtype, kda_beta_dtype
+        self.kda_gate_dtype, self.kda_beta_dtype, self.kda_chunk_dtype = kda_gate_dtype, kda_beta_dtype, kda_chunk_dtype
         self.params: dict[int, Any] = {}
         self.globals: dict | None = None
 
@@ -107,17 +108,20 @@ class ReferenceTarget(Target):
 
         return layer_spec(self.cfg, i, self.dtype, clamp=self.clamp, kda_mode=self.kda_mode,
                           mla_absorbed=self.mla_absorbed, kda_gate_dtype=self.kda_gate_dtype,
-                          kda_beta_dtype=self.kda_beta_dtype)
+                          kda_beta_dtype=self.kda_beta_dtype, kda_chunk_dtype=self.kda_chunk_dtype)
 
     # The semantic forks (parity/semantics.py) this instance follows: the replay sets them from the dump's recorded
     # semantics (or the intended ones) on a reference it constructs itself.
     follows_semantics = True
 
     def semantic_options(self) -> dict:
-        return {"clamp": self.clamp, "kda_gate_dtype": self.kda_gate_dtype, "kda_beta_dtype": self.kda_beta_dtype}
+        return {"clamp": self.clamp, "kda_gate_dtype": self.kda_gate_dtype, "kda_beta_dtype": self.kda_beta_dtype,
+                "kda_chunk_dtype": self.kda_chunk_dtype}
 
-    def use_semantics(self, clamp: bool, kda_gate_dtype: str, kda_beta_dtype: str) -> None:
+    def use_semantics(self, clamp: bool, kda_gate_dtype: str, kda_beta_dtype: str,
+                      kda_chunk_dtype: str = "float32") -> None:  # default: repro bundles written before this fork
         self.clamp, self.kda_gate_dtype, self.kda_beta_dtype = clamp, kda_gate_dtype, kda_beta_dtype
+        self.kda_chunk_dtype = kda_chunk_dtype
 
     def load_globals(self, hf_tensors: dict[str, np.ndarray]) -> None:
         from parity.jax_ling3.model import to_device
@@ -286,7 +290,7 @@ def _kda_conv_state(p, x, st, spec):
 def _kda_kernel(p, x, st, spec):
     """(core, state) from dumped conv outputs, gate, beta (facts §3.3, §3.6); kernel as the official code picks it:
     recurrent for T <= 64, chunked beyond (§3.10), unless the spec forces one."""
-    from parity.jax_ling3.kda import CHUNK, KERNELS
+    from parity.jax_ling3.kda import CHUNK, KERNELS, chunk_options
     from parity.jax_ling3.norms import l2_normalize
 
     m = spec.model
@@ -297,7 +301,7 @@ def _kda_kernel(p, x, st, spec):
     mode = spec.kda_mode if spec.kda_mode != "auto" else ("recurrent" if T <= CHUNK else "chunked")
     S0 = None if st is None else st["attention.state"]
     o, S = KERNELS[mode](l2_normalize(q), l2_normalize(k), v, x["attention.gate"], x["attention.beta"], d ** -0.5,
-                         S0)
+                         S0, **chunk_options(mode, spec))
     return o.astype(q.dtype), S  # kernel output cast back to the q dtype (facts §8)
 
 

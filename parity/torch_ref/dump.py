@@ -26,6 +26,7 @@ from parity.config import Ling3Config
 from parity.errors import ParityError
 from parity.mtp_points import mtp_group
 from parity.points import Point
+from parity.torch_ref import fla_cpu
 from parity.torch_ref.capture import Capture, runtime_map_name, to_numpy
 from parity.torch_ref.kernels import KernelObserver, fp32_matmul_policy, kernels_record
 
@@ -58,6 +59,9 @@ class DumpOptions:
     # MTP layers (group MTP{j}, parity.mtp_points): None = captured when every main layer is dumped (no --layers)
     mtp: bool | None = None
     semantics_probe: bool = True  # probe the semantic forks (parity.torch_ref.semantics) into the `semantics` attr
+    # how the fla stand-ins' chunk_kda rounds its intermediates: "fp32" (the maths) or "kernel" (fla's chunked bf16
+    # rounding points, parity.torch_ref.fla_cpu); recorded as the `kda_chunk_precision` fork. No effect on real fla.
+    kda_chunk_precision: str = "fp32"
 
 
 @dataclass
@@ -380,6 +384,9 @@ def dump_checkpoint(
     check_output_path(out_path, force=opts.force)
     if opts.dtype not in DTYPES:
         raise ParityError(f"--dtype {opts.dtype!r}: expected one of bf16, fp32")
+    if opts.kda_chunk_precision not in fla_cpu.CHUNK_PRECISIONS:
+        raise ParityError(f"--kda-chunk-precision {opts.kda_chunk_precision!r}: expected one of "
+                          f"{', '.join(fla_cpu.CHUNK_PRECISIONS)}")
     if opts.continuation_ids is not None and len(opts.continuation_ids) < opts.decode_steps:
         raise ParityError(
             f"--continuation has {len(opts.continuation_ids)} ids but --decode-steps is {opts.decode_steps}"
@@ -397,6 +404,7 @@ def dump_checkpoint(
     # fp32 matmul policy before the load (Triton reads its fp32 default when a kernel compiles); restored at the end
     stack = ExitStack()
     fp32 = stack.enter_context(fp32_matmul_policy(DTYPES[opts.dtype], opts.device, opts.allow_tf32))
+    stack.enter_context(fla_cpu.chunk_precision(opts.kda_chunk_precision))  # the stand-ins' mode, restored at the end
     try:
         loaded = load_model(ckpt_dir, opts.runtime, dtype=DTYPES[opts.dtype], device=opts.device,
                             cpu_kernels=opts.cpu_kernels if opts.runtime == "remote" else False,
@@ -530,6 +538,12 @@ def dump_checkpoint(
                 background.close()  # the remaining points are written; a write error is raised here
             kernels = kernels_record(paths=observer.paths, choice=loaded.kernels_choice, device=device, fp32=fp32)
             writer.set_meta("kernels", kernels)
+            chunk_impl = observer.paths.get("chunk_kda")
+            if semantics is not None and chunk_impl is not None:  # the chunk path ran: record what ran on it
+                from parity.torch_ref.semantics import observed_chunk_precision
+
+                semantics = observed_chunk_precision(semantics, chunk_impl, DTYPES[opts.dtype])
+                writer.set_meta("semantics", semantics)
             steps = [("prefill", 0)] + [("decode", k) for k in range(1, opts.decode_steps + 1)]
             mtp_ran = bool(cap.mtp_layers) and cap.mtp_ran("prefill", 0)
             if cap.mtp_layers and not mtp_ran:  # e.g. a twin copy older than its MTP forward

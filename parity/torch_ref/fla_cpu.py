@@ -13,8 +13,9 @@ Written from the public signatures/docstrings of fla-core 0.6.0 and the formulas
 copied. Everything numeric is computed in fp32 (§8: gate, beta, l2norm, decay and state are fp32 inside the kernels);
 KDA returns o in q's dtype and the state in fp32. Two independent KDA forms are provided: `fused_recurrent_kda`
 (token by token, §3.6) and `chunk_kda` (chunks of 64 in WY/UT form, §3.6 "chunked ... mathematically identical").
-Note (ORC §1.1): the real Triton kernels keep some intermediates in the input dtype; these fp32 stand-ins match the
-official *maths*, not a GPU run's bf16 bits.
+Note (ORC §1.1): the real Triton kernels keep some intermediates in the input dtype; by default these fp32 stand-ins
+match the official *maths*. `set_chunk_precision("kernel")` makes `chunk_kda` round at fla's chunked rounding points
+(listed below `kda_chunk_core`; measured against the real kernels in tests/test_kda_chunk_precision_kernels.py).
 
 Observer: `set_kda_observer(fn)` makes every KDA call report the tensors computed inside the kernel, so a capture layer
 can record sites the official code never exposes (`attention.gate`, `.beta`, `.core`, `.state`):
@@ -33,7 +34,8 @@ import os
 import sys
 import types
 import warnings
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -173,6 +175,96 @@ def kda_chunk_core(q, k, v, g, beta, scale: float, S0: torch.Tensor | None, chun
     return o, S
 
 
+# ----------------------------------------------------------------------------------------------- chunk precision
+# fla 0.6.0's chunked KDA (`chunk_kda`) stores its intermediates between (and inside) its Triton kernels in the input
+# dtype; in a bf16 run these are bf16 roundings the fp32 stand-in does not make (rel-L2 ~5e-3 on o / the state). The
+# stand-ins follow either the maths ("fp32", the default) or the kernel's rounding points ("kernel"). The rounding
+# points (fla-core 0.6.0, site-packages/fla/ops/..., x = the input dtype):
+#   1 q̂, k̂ after the in-kernel l2norm -> x           modules/norm/l2norm.py:83 (l2norm_fwd: y = empty_like(x))
+#   2 Aqk = scale·q̂·(k̂ ⊙ e^{Γt−Γs}), s ≤ t -> x       kda/chunk_intra.py:233-254, :786,
+#                                                      chunk_intra_token_parallel.py:126 (Aqk in k.dtype: chunk_intra.py:863)
+#   3 Akk = (I + A)^-1 (A_ts = β_t k̂_t·k̂_s e^{Γt−Γs}) solved in fp32, stored -> x   kda/chunk_intra.py:369-387 (:865)
+#   4 u = Akk @ (β v)->x, then -> x                   kda/wy_fast.py:102-104
+#   5 w = Akk @ (β k̂ e^{Γ})->x, then -> x             kda/wy_fast.py:115-132
+#   6 kg = k̂ e^{Γ_last − Γ} -> x                      kda/wy_fast.py:127-129
+#   7 h (state entering each chunk) -> x; the carried state stays fp32   common/chunk_delta_h.py:185, :216, :719-723
+#   8 v_new = u − w @ h_x -> x                        common/chunk_delta_h.py:234-243, :288 (b_v.to(k.dtype))
+#     S ← e^{Γ_last} S + kgᵀ v_new  (fp32 accumulate; the final state is stored fp32)   chunk_delta_h.py:295, :720
+#   9 o = scale·((q̂ e^{Γ})->x @ h_x) + Aqk @ v_new -> x   gla/chunk.py:438-455 (o = zeros_like(v_new), :1011)
+# The gate cumsum (kda/gate.py:475, fp32 buffer) and β (fp32 from the official file) stay fp32.
+CHUNK_PRECISIONS = ("fp32", "kernel")
+_chunk_precision = "fp32"
+
+
+def set_chunk_precision(mode: str) -> str:
+    """Select how the `chunk_kda` stand-in rounds its intermediates ("fp32" | "kernel"); returns the previous mode."""
+    global _chunk_precision
+    if mode not in CHUNK_PRECISIONS:
+        raise ParityError(f"chunk precision {mode!r}: expected one of {', '.join(CHUNK_PRECISIONS)}")
+    old, _chunk_precision = _chunk_precision, mode
+    return old
+
+
+def get_chunk_precision() -> str:
+    return _chunk_precision
+
+
+@contextmanager
+def chunk_precision(mode: str) -> Iterator[None]:
+    """`set_chunk_precision(mode)` for the duration of a block (a dump), restoring the previous mode after."""
+    old = set_chunk_precision(mode)
+    try:
+        yield
+    finally:
+        set_chunk_precision(old)
+
+
+def kda_chunk_core_kernel(q, k, v, g, beta, scale: float, S0: torch.Tensor | None, dtype: torch.dtype,
+                          chunk_size: int = CHUNK_SIZE):
+    """`kda_chunk_core` rounded like fla's chunked kernels: the intermediates 2-9 of the list above are rounded to
+    `dtype` (the kernel's input dtype), everything else is fp32. q, k are the fp32 l2-normalised q̂, k̂ (rounded to
+    `dtype` here, point 1). Returns (o fp32 [B,T,HV,V] holding `dtype` values, final state fp32)."""
+    def rnd(x: torch.Tensor) -> torch.Tensor:
+        return x.to(dtype).float()
+
+    B, T, HV, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    n = max(1, math.ceil(T / C))
+    pad = n * C - T
+
+    def chunks(x):  # [B,T,HV,*] -> [B,HV,n,C,*]
+        if pad:
+            x = F.pad(x, (0, 0) * (x.dim() - 3) + (0, 0, 0, pad))
+        return x.reshape(B, n, C, HV, *x.shape[3:]).movedim(3, 1)
+
+    qc, kc, vc, gc = chunks(rnd(q)), chunks(rnd(k)), chunks(v.float()), chunks(g)
+    bc = chunks(beta.unsqueeze(-1)).squeeze(-1)
+    incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device))
+    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device), -1)
+    eye = torch.eye(C, dtype=torch.float32, device=q.device)
+    S = q.new_zeros(B, HV, K, V) if S0 is None else S0.float().clone()
+    out = []
+    for i in range(n):
+        qi, ki, vi, bi = qc[:, :, i], kc[:, :, i], vc[:, :, i], bc[:, :, i]
+        G = torch.cumsum(gc[:, :, i], dim=-2)
+        rel = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~incl[:, :, None], float("-inf"))
+        decay = torch.exp(rel)
+        A = bi.unsqueeze(-1) * torch.einsum("bhtc,bhsc,bhtsc->bhts", ki, ki, decay) * strict
+        Akk = rnd(torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True))  # 3
+        Aqk = rnd(scale * torch.einsum("bhtc,bhsc,bhtsc->bhts", qi, ki, decay))  # 2 (0 above the diagonal)
+        u = rnd(Akk @ rnd(bi.unsqueeze(-1) * vi))  # 4
+        w = rnd(Akk @ rnd(bi.unsqueeze(-1) * ki * torch.exp(G)))  # 5
+        G_end = G[:, :, -1:]
+        kg = rnd(ki * torch.exp(G_end - G))  # 6
+        h = rnd(S)  # 7
+        v_new = rnd(u - w @ h)  # 8
+        out.append(scale * (rnd(qi * torch.exp(G)) @ h) + Aqk @ v_new)  # 9 (rounded by the caller)
+        S = torch.exp(G_end).transpose(-1, -2) * S + kg.transpose(-1, -2) @ v_new
+    o = torch.stack(out, dim=2).reshape(B, HV, n * C, V)[:, :, :T].transpose(1, 2)
+    return o, S
+
+
 def _kda_call(kernel: str, q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
               use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
               cu_seqlens, A_log, dt_bias, chunk_size=CHUNK_SIZE):
@@ -209,6 +301,8 @@ def _kda_call(kernel: str, q, k, v, g, beta, *, scale, initial_state, output_fin
             S0 = S0.transpose(-1, -2)
     core = kda_chunk_core if kernel == "chunk" else kda_recurrent_core
     extra = {"chunk_size": chunk_size} if kernel == "chunk" else {}
+    if kernel == "chunk" and _chunk_precision == "kernel" and q.dtype != torch.float32:
+        core = functools.partial(kda_chunk_core_kernel, dtype=q.dtype)  # fla's bf16 rounding points (see above)
 
     if cu_seqlens is None:
         N = B
@@ -702,5 +796,6 @@ __all__ = [
     "set_kda_observer", "get_kda_observer", "install", "is_installed", "real_fla_with_triton", "real_kernels_run_here",
     "StandIns",
     "install_transformers_shims", "uninstall_transformers_shims", "default_rope_inv_freq", "is_torch_fx_available",
-    "kda_gate", "kda_beta", "l2_normalize", "kda_recurrent_core", "kda_chunk_core",
+    "kda_gate", "kda_beta", "l2_normalize", "kda_recurrent_core", "kda_chunk_core", "kda_chunk_core_kernel",
+    "CHUNK_PRECISIONS", "set_chunk_precision", "get_chunk_precision", "chunk_precision",
 ]

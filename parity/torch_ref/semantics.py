@@ -7,6 +7,10 @@ layer whose `share_expert_swiglu_limit_list` entry is set) are called directly o
 fp32 from the module's own weights. The closer one (by far: the two differ by O(1) relative, the module's own
 rounding is ≤ 1e-2) decides `applied` / `ignored`.
 
+KDA chunk precision (`probe_kda_chunk`): the implementation of the KDA layers' chunk entry point and the compute dtype
+(fla's kernels round their intermediates to the input dtype; `chunk_precision_of`); the dump overwrites it with what it
+observed on the chunk path (`observed_chunk_precision`) when its prompt ran that path.
+
 KDA gate / beta precision: the KDA recurrence entry points of the attention module's Python module
 (`chunk_kda` / `fused_recurrent_kda` — the official file and the twin with fla or the CPU stand-ins —,
 `chunk_kimi_delta_attention` / `recurrent_kimi_delta_attention` — transformers' built-in —, `kda_recurrent` /
@@ -188,15 +192,83 @@ def probe_kda(model, cfg, input_ids: torch.Tensor) -> dict:
     return {"gate": gate, "beta": r["beta"], "probe": how}
 
 
+CHUNK_ENTRY_POINTS = ("chunk_kda", "chunk_kimi_delta_attention", "kda_chunked")
+
+
+def chunk_precision_of(impl: str, compute_dtype: torch.dtype, stand_in_mode: str) -> str:
+    """The `kda_chunk_precision` fork's value for a chunk entry point of implementation `impl`
+    (`parity.torch_ref.kernels.implementation_of`: 'fla' | 'stand-in' | 'torch:<module>'): fla's Triton kernels keep
+    their intermediates in the input dtype, the stand-ins do so only in their "kernel" mode, the pure-PyTorch paths
+    (the twin's, transformers' fallback) upcast to fp32. An fp32 run is fp32 whatever ran."""
+    dt = _DT.get(compute_dtype, str(compute_dtype))
+    if dt == "float32":
+        return "float32"
+    if impl == "fla":
+        return dt
+    if impl == "stand-in":
+        return dt if stand_in_mode == "kernel" else "float32"
+    if impl.startswith("torch:"):
+        return "float32"
+    return "undetermined"
+
+
+def probe_kda_chunk(model, cfg) -> dict:
+    """The `kda_chunk_precision` fork: which implementation the KDA layers' chunk entry point resolves to (the twin
+    without fla calls its own `kda_chunked`), and the model's compute dtype. The dump replaces the value with the
+    implementation observed on the chunk path when the prompt exercised it (`observed_chunk_precision`)."""
+    from parity.torch_ref import fla_cpu
+    from parity.torch_ref.kernels import implementation_of
+
+    if not any(cfg.layer_kind(i) == "kda" for i in range(cfg.num_hidden_layers)):
+        return {"value": "not-applicable", "probe": "no KDA layer"}
+    dtype = next(model.parameters()).dtype
+    layers = _layers(model)
+    for i in range(cfg.num_hidden_layers):
+        if cfg.layer_kind(i) != "kda":
+            continue
+        attn = getattr(layers[i], "attention", None) or getattr(layers[i], "self_attn", None)
+        mod = sys.modules.get(type(attn).__module__) if attn is not None else None
+        if mod is None:
+            continue
+        names = ("kda_chunked",) if getattr(attn, "use_fla", True) is False else CHUNK_ENTRY_POINTS
+        fn = next((getattr(mod, n) for n in names if callable(getattr(mod, n, None))), None)
+        if fn is None:
+            continue
+        impl = implementation_of(fn)
+        mode = fla_cpu.get_chunk_precision()
+        return {"value": chunk_precision_of(impl, dtype, mode),
+                "probe": {"entry": f"{mod.__name__}.{getattr(fn, '__name__', '?')}", "implementation": impl,
+                          "compute_dtype": _DT.get(dtype, str(dtype)), "stand_in_mode": mode, "observed": False}}
+    return {"value": "undetermined", "probe": f"no KDA chunk entry point among {CHUNK_ENTRY_POINTS} was found"}
+
+
+def observed_chunk_precision(sem: dict, impl: str, compute_dtype: torch.dtype) -> dict:
+    """`sem` with `kda_chunk_precision` set from the implementation the dump observed on its chunk path (its
+    `kernels.kda_paths['chunk_kda']`, parity.torch_ref.kernels), so the attr says what ran, not what was resolved."""
+    from parity.torch_ref import fla_cpu
+
+    mode = fla_cpu.get_chunk_precision()
+    out = dict(sem, kda_chunk_precision=chunk_precision_of(impl, compute_dtype, mode))
+    out["probes"] = dict(sem.get("probes") or {}, kda_chunk={"implementation": impl, "observed": True,
+                                                             "compute_dtype": _DT.get(compute_dtype,
+                                                                                      str(compute_dtype)),
+                                                             "stand_in_mode": mode})
+    out["departures"] = [d["fork"] for d in departures(out)]
+    return out
+
+
 def probe(model, cfg, input_ids: torch.Tensor) -> dict:
     """The `semantics` root attr of a dump (parity.semantics): every fork's value, how it was measured, and the
     forks where it departs from the intended behaviour."""
     clamp = probe_clamp(model, cfg)
     kda = probe_kda(model, cfg, input_ids)
+    chunk = probe_kda_chunk(model, cfg)
     sem = {"version": SEMANTICS_VERSION, "swiglu_clamp": clamp["value"], "kda_gate_precision": kda["gate"],
-           "kda_beta_precision": kda["beta"], "probes": {"swiglu_clamp": clamp["probe"], "kda": kda["probe"]}}
+           "kda_beta_precision": kda["beta"], "kda_chunk_precision": chunk["value"],
+           "probes": {"swiglu_clamp": clamp["probe"], "kda": kda["probe"], "kda_chunk": chunk["probe"]}}
     sem["departures"] = [d["fork"] for d in departures(sem)]
     return sem
 
 
-__all__ = ["probe", "probe_clamp", "probe_kda", "probe_swiglu"]
+__all__ = ["probe", "probe_clamp", "probe_kda", "probe_kda_chunk", "probe_swiglu", "chunk_precision_of",
+           "observed_chunk_precision"]

@@ -18,7 +18,7 @@ Why a bound in multiples of the row's RMS, and why no correct implementation exc
   (A port that computes in another precision — say the whole layer in fp32 against a bf16 reference — is *not*
   correct in this sense: measured on the bundled bf16 dumps it already fails the ULP criteria at ~12 % of the
   points, with |Δ| up to 722 ULPs of the row RMS at attention.state; the bound is not meant to cover it.)
-- The corpus measures exactly this quantity: `floor_needed` of `parity.calibrate.point_noise` is, per point, the
+- The corpus measures exactly this quantity: `floor_needed` of `parity.calibration.noise.point_noise` is, per point, the
   largest |Δ| / ulp(RMS(row)) of any element. Pairs of correct implementations it holds, per mode:
     layer (and every mode but free: forced, isolated, ...): the pure-JAX reference vs the PyTorch twin's dump,
         teacher-forced (`layer`, `forced`) and each site fed its dumped inputs (`isolated`);
@@ -43,7 +43,7 @@ Why a bound in multiples of the row's RMS, and why no correct implementation exc
 
 Checked against the calibration corpus (`check_points`: every point within its bound, by construction — a test guards
 the shipped file against drift) and the no-false-alarm sweep (tests/test_no_false_alarms.py, out-of-sample seeds).
-Written as `safety_bounds.toml` by `python3 tools/safety_bounds.py --write`; `default_rules()` merges it with the
+Written as `safety_bounds.toml` by `python tools/calibrate.py rules` (parity.calibration.pipeline); `default_rules()` merges it with the
 calibrated table (no entry there sets `bound_rms`).
 """
 

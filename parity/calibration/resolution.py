@@ -1,7 +1,7 @@
 """Detection resolution (issue 15): the smallest single-site perturbation a rule detects. numpy + ml_dtypes only.
 
 A *trial* plants one perturbation in the reference tensor of one point and asks whether `compare` then fails that
-point against the target's (correct) output. Planting in the reference is what `tools/resolution.py` does to a dump:
+point against the target's (correct) output. Planting in the reference is what `tools/calibrate.py resolution` does:
 in every replay mode the target's output of the planted site does not change, so the point's verdict is exactly
 `compare(planted_ref, test, rule)`; the earlier points do not change either, so a detected plant is also the first
 divergence, i.e. pinned to its site, whenever the unplanted replay passes (the tool checks that).
@@ -99,4 +99,54 @@ def resolution(pairs: Sequence[tuple[Any, Any, ToleranceRule]], kind: str, *, se
     return Resolution(kind, None, None, len(pairs) * len(seeds), tuple(rates))
 
 
-__all__ = ["KINDS", "RELATIVE_SCAN", "ULP_SCAN", "Resolution", "detection_rate", "plant", "resolution"]
+# ------------------------------------------------------------------------------------------------ the table
+def collect(dump: Any, mode: str) -> tuple[dict[str, list], int, str]:
+    """{site class: [(ref, test, rule), ...]} of one replay of `dump` by the reference target in `mode`; the number of
+    pairs left out because they fail unplanted; the compute dtype. The layer's `input` (fed, not computed) and exact
+    (integer) tensors are left out."""
+    from parity.points import site_class
+    from parity.replay import Session, observe, observe_free, observe_model_points
+
+    by_class: dict[str, list] = {}
+    failing = 0
+    with Session.open(dump, mode=mode) as s:
+        streams = [observe_free(s)] if mode == "free" else \
+            [observe(s, i) for i in s.layers()] + [observe_model_points(s)]
+        for obs in (o for st in streams for o in st):
+            p = obs.point
+            if obs.skip or obs.ref is None or obs.test is None or obs.forced or p.site == "input":
+                continue
+            ref = np.asarray(obs.ref)
+            if ref.dtype.kind not in "f" and ref.dtype.name != "bfloat16":
+                continue  # top-k ids compare exactly
+            test = np.asarray(obs.test).reshape(ref.shape)
+            rule = s.rules.rule_for(p.site, mode, s.dump.dtype(p), s.dtype)
+            if not compare(ref, test, rule).passed:
+                failing += 1
+                continue
+            by_class.setdefault(site_class(p.site), []).append((ref, test, rule))
+        return by_class, failing, s.dtype
+
+
+def spaced(pairs: Sequence[Any], limit: int) -> list[Any]:
+    """At most `limit` of `pairs`, evenly spaced (first and last kept)."""
+    if len(pairs) <= limit:
+        return list(pairs)
+    idx = np.linspace(0, len(pairs) - 1, limit).round().astype(int)
+    return [pairs[i] for i in sorted(set(idx))]
+
+
+def table_rows(by_class: dict[str, list], *, limit: int, seeds: Sequence[int], rate: float) -> list[dict]:
+    """One row per site class: points used, smallest `relative` and `ulps` magnitude detected in ≥ rate, trials."""
+    rows = []
+    for cls, pairs in sorted(by_class.items()):
+        pairs = spaced(pairs, limit)
+        rel = resolution(pairs, "relative", seeds=seeds, rate=rate)
+        ulp = resolution(pairs, "ulps", seeds=seeds, rate=rate)
+        rows.append({"class": cls, "points": len(pairs), "relative": rel.magnitude, "ulps": ulp.magnitude,
+                     "trials": rel.trials})
+    return rows
+
+
+__all__ = ["KINDS", "RELATIVE_SCAN", "ULP_SCAN", "Resolution", "collect", "detection_rate", "plant", "resolution",
+           "spaced", "table_rows"]

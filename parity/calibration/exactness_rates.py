@@ -1,8 +1,9 @@
-"""Corpus of the isolated-mode exactness test (parity.numerics.exactness): correct replays of fresh random checkpoints,
-counting per point the rows that are not bit-identical, then one `inexact_row_rate` per site class; for RMSNorm sites
-also the row-scale noise their rounding check must allow (parity.numerics.rounding), one `norm_scale_noise` per site.
+"""Exactness rates of the isolated-mode exactness test (parity.numerics.exactness) from the exactness corpus
+(parity.calibration.corpus `exactness_runs`: correct replays of fresh random checkpoints, counting per point the rows
+that are not bit-identical): one `inexact_row_rate` per site class; for RMSNorm sites also the row-scale noise their
+rounding check must allow (parity.numerics.rounding), one `norm_scale_noise` per site.
 
-Corpus (tools/exactness.py): seeds alternate the presets as the no-false-alarm sweep does (odd: tiny, q-LoRA;
+Corpus (`python tools/calibrate.py corpus`): seeds alternate the presets as the no-false-alarm sweep does (odd: tiny, q-LoRA;
 even: tiny-flash, clamp), each dumped by the twin in bf16 at every prompt length (≤ 64 tokens: the recurrent KDA
 path, > 64: the chunked one) with decode steps, and replayed by the reference target in isolated mode. Only bf16
 tensors of bf16 runs get a rate: fp32 tensors of those runs (KDA gate/beta/state, router logits) are compared on the
@@ -13,15 +14,11 @@ from __future__ import annotations
 
 import gzip
 import json
-import math
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Iterable
 
-from parity.numerics import exactness, rounding
-from parity.numerics.compare import compare
-from parity.numerics.tolerances import ToleranceRule
-from parity.points import site_class
+from parity.numerics import exactness
 
 MIN_POINTS = 20  # a class with fewer corpus points gets no rate (no criterion rather than a guessed one)
 MAX_RATE = 0.5  # a class whose correct rows are inexact this often gains nothing from the test: left off
@@ -31,63 +28,6 @@ SCALE_FLOOR = 1.0  # ... and at least u·√n, an fp32 sum's typical relative er
 # norm (fed the dumped layer input), the model's final norm (fed the dumped last-layer output) and an MTP layer's
 # enorm / hnorm (fed the dumped MTP embedding and the dumped final norm; facts §2)
 TEACHER_FORCED_NORMS = ("input_layernorm", "final_norm", "enorm", "hnorm")
-ROW_COUNT_RULE = ToleranceRule(floor_ulps=0, max_ulps=0, allowed_fraction=1.0, hard_ulps=None)  # only the row counts
-
-
-def preset_of(seed: int) -> str:
-    return "tiny" if seed % 2 else "tiny-flash"
-
-
-def replay_rows(dump: Path, ckpt: Path, label: str) -> list[dict]:
-    """One record per bf16 point of an isolated replay of `dump` by the reference target: label, site, class, rows,
-    inexact rows."""
-    import numpy as np
-
-    from parity.replay.session import Session
-    from parity.replay.strategies import observe
-
-    out = []
-    with Session.open(dump, ckpt, mode="isolated") as s:
-        for layer in [None] + list(s.layers()):
-            for ob in observe(s, layer):
-                if ob.ref is None or ob.test is None or ob.skip or np.asarray(ob.ref).dtype.name != "bfloat16":
-                    continue
-                ref, test = np.asarray(ob.ref), np.asarray(ob.test)
-                if ref.shape != test.shape or not ref.size:
-                    continue
-                v = compare(ref, test, ROW_COUNT_RULE)  # counts the rows as the exactness test will
-                rec = {"point": f"{label}:{ob.point.key()}", "site": ob.point.site,
-                       "class": site_class(ob.point.site), "rows": v.rows, "inexact": v.inexact_rows}
-                if ob.rounding is not None:  # what the RMSNorm rounding check must allow for dump and target alike
-                    c = rounding.needed_scale_noise(ob.rounding.x, ob.rounding.w, ob.rounding.eps, ref, test)
-                    rec["scale_need"] = c if math.isfinite(c) else None
-                out.append(rec)
-    return out
-
-
-def build_corpus(workdir: Path, seeds: Sequence[int], prompt_lens: Sequence[int], decode_steps: int,
-                 log: Callable[[str], None] = print) -> list[dict]:
-    from parity.config import Ling3Config
-    from parity.torch_ref.ckpt import make_checkpoint
-    from parity.torch_ref.dump import DumpOptions, dump_checkpoint
-    from parity.torch_ref.prompts import builtin_ids
-
-    records: list[dict] = []
-    for seed in seeds:
-        preset = preset_of(seed)
-        ckpt = make_checkpoint(workdir / f"{preset}-s{seed}", preset, seed=seed, dtype="bfloat16", force=True)
-        cfg = Ling3Config.from_pretrained_dir(ckpt, strict=False)
-        for T in prompt_lens:
-            dump = workdir / f"{preset}-s{seed}-T{T}-bf16.h5"
-            if dump.exists():
-                dump.unlink()
-            dump_checkpoint(ckpt, dump, builtin_ids(cfg.vocab_size, T, seed),
-                            DumpOptions(dtype="bfloat16", decode_steps=decode_steps, progress=False, seed=seed))
-            recs = replay_rows(dump, ckpt, f"{preset}/s{seed}/T{T}")
-            log(f"{preset} seed {seed} T={T}: {len(recs)} points, {sum(r['inexact'] for r in recs)} inexact rows of "
-                f"{sum(r['rows'] for r in recs)}")
-            records += recs
-    return records
 
 
 def derive_rates(records: Iterable[dict]) -> dict[str, tuple[exactness.RateDerivation | None, list[str]]]:

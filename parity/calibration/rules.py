@@ -1,15 +1,17 @@
-"""Calibrate the default tolerance table from measured reference self-noise (DESIGN §5).
+"""The default tolerance table from measured reference self-noise (DESIGN §5).
 
 DESIGN §5: defaults are *measured* from the noise between independently validated correct implementations, never
-tuned until a test goes green. This module:
-  1. builds a corpus (presets × seeds × prompt lengths × bf16/fp32; random checkpoints + twin dumps in a temp dir),
+tuned until a test goes green. The calibration:
+  1. builds a corpus (presets × seeds × prompt lengths × bf16/fp32; random checkpoints + twin dumps in a temp dir;
+     parity.calibration.corpus),
   2. measures, per point, the noise of the JAX reference against the twin's dumps (`layer` and `free` replays), of
      the twin against transformers' built-in `bailing_hybrid` (dumps compared directly), and of the twin's bf16 run
      against its fp32 run (scale of bf16 rounding itself),
   3. aggregates per site class × mode × (tensor dtype, compute dtype) and proposes rules = observed worst case ×
-     a stated safety factor, rounded up, with documented minimums (`propose_rules`), written as TOML.
+     a stated safety factor, rounded up, with documented minimums (`propose_rules`), written as TOML —
+     this module (pure functions of the measured points).
 
-Per-point statistic (`point_noise`): the comparison runs on the same grid as `parity.numerics.compare`: the precision
+Per-point statistic (`parity.calibration.noise.point_noise`): the comparison runs on the same grid as `parity.numerics.compare`: the precision
 the tensor was computed in (`comparison_grid`: bf16 tensors in bf16, every fp32 tensor — also the fp32 tensors of a
 bf16 run — in fp32). Modes measured: `layer`, `free` and `isolated` (each site fed its own dumped inputs).
 For every element, `need` = |Δ| / ulp(RMS of its reference row) is the smallest `floor_ulps` that lets it pass by
@@ -40,21 +42,13 @@ from __future__ import annotations
 
 import math
 import platform
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-import numpy as np
+from parity.calibration.corpus import CorpusSpec
+from parity.calibration.noise import KS, RTOL_FP32, floors_of
+from parity.numerics.compare import percentile_rank
 
-from parity.numerics.compare import comparison_grid, percentile_rank
-from parity.numerics.ulp import FINITE, ordered_int, to_dtype, ulp_of, value_class
-from parity.points import site_class
-
-FLOORS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-# fp32 grid: a bf16-compute run's fp32 tensors carry bf16-sized noise = up to 2^16 fp32 ULPs per bf16 ULP
-FLOORS_FP32 = FLOORS + tuple(2**k for k in range(15, 25))
-KS = (1, 2, 4, 8, 16, 32, 64)
-RTOL_FP32 = 1e-5  # DESIGN §5: the fp32 tier is ~1e-5 relative
 SAFETY = 2.0
 BF16_FLOOR = 1
 MINIMUMS = {"max_ulps": 2, "hard_ulps": 4, "fp32_floor_ulps": 16, "isolated_max_ulps": 1}
@@ -74,165 +68,6 @@ def nice(x: float) -> float:
             return int(v) if float(v).is_integer() else v
     raise AssertionError("unreachable")
 
-
-def _ranks(m: int) -> tuple[int, int]:
-    """0-based ranks of p99 and p99.9 among m sorted values ('inverted_cdf', as parity.numerics.compare)."""
-    return percentile_rank("99", m), percentile_rank("99.9", m)
-
-
-def _quantiles(e: np.ndarray) -> tuple[int, int, int]:
-    """(max, p99, p99.9) of a flat int array (attained values)."""
-    m = e.size
-    if m == 0:
-        return 0, 0, 0
-    r99, r999 = _ranks(m)
-    part = np.partition(e, (r99, r999, m - 1))
-    return int(part[m - 1]), int(part[r99]), int(part[r999])
-
-
-def _fquantiles(x: np.ndarray) -> tuple[float, float, float]:
-    """(max, p99, p99.9) of a flat float array (attained values)."""
-    m = x.size
-    if m == 0:
-        return 0.0, 0.0, 0.0
-    r99, r999 = _ranks(m)
-    part = np.partition(x, (r99, r999, m - 1))
-    return float(part[m - 1]), float(part[r99]), float(part[r999])
-
-
-# ------------------------------------------------------------------------------------------------ one point
-def floors_of(grid: str) -> tuple[int, ...]:
-    """Candidate floors (ULPs of the row RMS) measured on `grid`."""
-    return FLOORS_FP32 if grid == "float32" else FLOORS
-
-
-def point_noise(ref: Any, test: Any, grid: str) -> dict:
-    """Noise statistics of one point compared on `grid` ('bfloat16' or 'float32'); see the module docstring."""
-    r, t = to_dtype(np.asarray(ref), grid), to_dtype(np.asarray(test), grid)
-    if r.shape != t.shape:
-        raise ValueError(f"point_noise: reference shape {r.shape} != test shape {t.shape}")
-    last = r.shape[-1] if r.ndim else 1
-    r, t = r.reshape(-1, last), t.reshape(-1, last)
-    cr, ct = value_class(r), value_class(t)
-    fin = (cr == FINITE) & (ct == FINITE)
-    n_nonfinite_mismatch = int((cr != ct).sum())
-    rv, tv = np.where(fin, r.astype(np.float64), 0.0), np.where(fin, t.astype(np.float64), 0.0)
-    raw = np.where(fin, np.abs(ordered_int(r) - ordered_int(t)), 0)
-    diff = np.abs(rv - tv)
-    rms = np.sqrt((rv * rv).sum(-1, keepdims=True) / np.maximum(fin.sum(-1, keepdims=True), 1))
-    need = diff / ulp_of(rms, grid)  # floor (in ULPs of the row RMS) this element needs to pass by the floor
-    raw_f, need_f = raw.ravel(), need.ravel()
-    by_floor = {}
-    for F in floors_of(grid):
-        eff = np.where(need_f > F, raw_f, 0)
-        mx, p99, p999 = _quantiles(eff)
-        by_floor[str(F)] = {"max": mx, "p99": p99, "p999": p999,
-                            "frac_over": {str(k): float((eff > k).mean()) if eff.size else 0.0 for k in KS}}
-    outside = diff > RTOL_FP32 * np.abs(rv)
-    need_rtol = np.where(outside, need, 0.0).ravel()
-    need_q = _fquantiles(need_f)
-    need_rtol_q = _fquantiles(need_rtol)
-    mx, p99, p999 = _quantiles(raw_f)
-    nref = float(np.sqrt((rv * rv).sum()))
-    return {
-        "n": int(r.size), "grid": grid, "max_ulp_raw": mx, "p99_ulp_raw": p99, "p999_ulp_raw": p999,
-        "frac_exact": float((raw_f == 0).mean()) if raw_f.size else 1.0,
-        "floor_needed": need_q[0], "floor_needed_p99": need_q[1], "floor_needed_p999": need_q[2],
-        "rtol_floor_needed": need_rtol_q[0], "rtol_floor_needed_p999": need_rtol_q[2],
-        "rel_l2": float(np.sqrt((diff * diff).sum()) / nref) if nref > 0 else (0.0 if not diff.any() else math.inf),
-        "max_abs_diff": float(diff.max()) if diff.size else 0.0,
-        "nonfinite_mismatches": n_nonfinite_mismatch,
-        "by_floor": by_floor,
-    }
-
-
-# ------------------------------------------------------------------------------------------------ corpus
-@dataclass(frozen=True)
-class CorpusSpec:
-    presets: tuple[str, ...] = ("tiny", "tiny-flash")
-    seeds: tuple[int, ...] = (1, 2)
-    prompt_lens: tuple[int, ...] = (40, 160)  # ≤ 64: recurrent KDA path of the official kernel; > 64: chunked
-    dtypes: tuple[str, ...] = ("bfloat16", "float32")
-    decode_steps: int = 2
-    modes: tuple[str, ...] = ("layer", "free", "isolated")
-    native_seeds: tuple[int, ...] = (1,)  # twin vs built-in on an unclamped copy of tiny-flash
-
-
-@dataclass
-class Measurement:
-    """Flat per-point measurements plus routing counts; JSON-able via `to_dict`."""
-
-    points: list[dict] = field(default_factory=list)
-    routing: list[dict] = field(default_factory=list)
-    runs: list[dict] = field(default_factory=list)
-
-
-def measure_replay(dump_path: Path, ckpt_dir: Path, mode: str, corpus_id: str, out: Measurement,
-                   target: Any = None) -> dict:
-    """Replay one dump (reference target unless given), record per-point noise and routing outcomes into `out`, and
-    return the report. The noise is measured on exactly the arrays the judge compared (`PointRecord.observation`:
-    for a benign routing flip, the run forced to the reference's experts)."""
-    from parity.numerics.tolerances import default_rules
-    from parity.replay import Session, replay_records
-
-    from parity.report import build_report, order_key
-
-    records = []
-    with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=default_rules()) as ses:
-        compute = ses.dtype
-        judged = sorted(((r.to_json(), r) for r in replay_records(ses)), key=lambda jr: order_key(ses.config, jr[0]))
-        for js, rec in judged:  # in report order, so ties in the aggregation resolve as before
-            records.append(js)
-            p = rec.point
-            base = {"corpus": corpus_id, "mode": mode, "phase": p.phase, "step": p.step, "layer": p.layer,
-                    "site": p.site, "compute": compute}
-            if p.site == "mlp.gate.topk_idx":
-                out.routing.append({**base, "status": rec.status.value, "tokens": rec.stats.get("tokens"),
-                                    "flipped": rec.stats.get("flipped", 0),
-                                    "benign_flips": rec.stats.get("benign_flips", 0)})
-                continue
-            obs = rec.observation
-            if rec.status.value not in ("pass", "fail") or obs is None or obs.ref is None or obs.test is None:
-                continue
-            tdtype = ses.dump.dtype(p)
-            if tdtype not in ("bfloat16", "float32", "float16") or np.shape(obs.test) != obs.ref.shape:
-                continue
-            # measured in the precision the tensor was computed in (comparison_grid, DESIGN §5)
-            out.points.append({**base, "class": site_class(p.site), "dtype": tdtype,
-                               "forced_routing": rec.forced_routing, "status_old_rules": rec.status.value,
-                               "replay_max_ulp_raw": rec.stats.get("max_ulp_raw"),
-                               **point_noise(obs.ref, obs.test, comparison_grid(tdtype))})
-        return build_report(ses.config, records, dump=str(dump_path), target=getattr(ses.target, "name", "?"),
-                            mode=mode)
-
-
-def measure_dump_pair(ref_path: Path, test_path: Path, kind: str, corpus_id: str, out: Measurement,
-                      grid: str | None = None) -> None:
-    """Compare two dumps of the same checkpoint and ids directly, point by point (both are free runs)."""
-    from parity.dumpfile import DumpReader
-
-    a, b = DumpReader(ref_path), DumpReader(test_path)
-    try:
-        compute = a.meta.get("compute_dtype", "bfloat16")
-        for pt in a.points():
-            if not b.has(pt):
-                continue
-            base = {"corpus": corpus_id, "mode": kind, "phase": pt.phase, "step": pt.step, "layer": pt.layer,
-                    "site": pt.site, "compute": compute}
-            ra, rb = a.read(pt), b.read(pt)
-            if pt.site == "mlp.gate.topk_idx":
-                same = (np.sort(ra, -1) == np.sort(rb.reshape(ra.shape), -1)).all(-1)
-                out.routing.append({**base, "status": "pass" if same.all() else "flipped", "tokens": int(same.size),
-                                    "flipped": int((~same).sum()), "benign_flips": None})
-                continue
-            tdtype = a.attrs(pt).get("dtype", str(ra.dtype))
-            if tdtype not in ("bfloat16", "float32", "float16") or ra.size != rb.size or "cache" in pt.site:
-                continue
-            out.points.append({**base, "class": site_class(pt.site), "dtype": tdtype,
-                               **point_noise(ra, rb.reshape(ra.shape), grid or comparison_grid(tdtype))})
-    finally:
-        a.close()
-        b.close()
 
 
 # ------------------------------------------------------------------------------------------------ aggregation
@@ -450,94 +285,6 @@ def machine() -> str:
            f"{platform.system()} {platform.release()}, Python {platform.python_version()}"
 
 
-# ------------------------------------------------------------------------------------------------ the whole run
-def _unclamped_flash() -> dict:
-    """tiny-flash with both SwiGLU limit lists null: the built-in bailing_hybrid has no clamp (task brief, ORC §5)."""
-    from parity.torch_ref.ckpt import resolve_config
-
-    d = dict(resolve_config("tiny-flash"))
-    d["expert_swiglu_limit_list"] = None
-    d["share_expert_swiglu_limit_list"] = None
-    return d
-
-
-def run_calibration(spec: CorpusSpec, workdir: Path, log=print) -> Measurement:
-    """Build the corpus in `workdir` and measure everything (steps 1-2 and 5 of the calibration brief)."""
-    import time
-
-    from parity.torch_ref.ckpt import make_checkpoint
-    from parity.torch_ref.dump import DumpOptions, dump_checkpoint
-    from parity.torch_ref.prompts import builtin_ids
-
-    out = Measurement()
-    workdir = Path(workdir)
-
-    def dump(ckpt, path, T, dtype, seed, runtime="remote"):
-        t0 = time.perf_counter()
-        ids = builtin_ids(512, T, seed=seed)
-        dump_checkpoint(ckpt, path, ids, DumpOptions(runtime=runtime, dtype=dtype, decode_steps=spec.decode_steps,
-                                                     progress=False, force=True, causality_check=False))
-        out.runs.append({"what": f"dump {runtime} {path.name}", "seconds": round(time.perf_counter() - t0, 1)})
-        log(f"dumped {path.name} ({runtime}) in {time.perf_counter() - t0:.1f}s")
-
-    def replay(path, ckpt, cid):
-        for mode in spec.modes:
-            t0 = time.perf_counter()
-            rep = measure_replay(path, ckpt, mode, cid, out)
-            out.runs.append({"what": f"replay {mode} {cid}", "seconds": round(time.perf_counter() - t0, 1),
-                             "counts_old_rules": rep["counts"]})
-            log(f"replayed {cid} {mode} in {time.perf_counter() - t0:.1f}s: {rep['counts']} (old rules)")
-
-    jobs = [(p, s, p) for p in spec.presets for s in spec.seeds]
-    jobs += [("tiny-flash-noclamp", s, _unclamped_flash()) for s in spec.native_seeds]
-    for name, seed, preset in jobs:
-        ckpt = make_checkpoint(workdir / f"{name}-s{seed}", preset, seed=seed, force=True)
-        for T in spec.prompt_lens:
-            paths = {}
-            for dtype in spec.dtypes:
-                tag = "fp32" if dtype == "float32" else "bf16"
-                cid = f"{name}/s{seed}/T{T}/{tag}"
-                paths[dtype] = workdir / f"{name}-s{seed}-T{T}-{tag}.h5"
-                dump(ckpt, paths[dtype], T, dtype, seed)
-                replay(paths[dtype], ckpt, cid)
-                if name == "tiny-flash-noclamp":
-                    npath = workdir / f"{name}-s{seed}-T{T}-{tag}-native.h5"
-                    dump(ckpt, npath, T, dtype, seed, runtime="native")
-                    measure_dump_pair(paths[dtype], npath, "twin_vs_native", cid, out)
-            if "float32" in paths and "bfloat16" in paths:
-                measure_dump_pair(paths["float32"], paths["bfloat16"], "twin_fp32_vs_bf16",
-                                  f"{name}/s{seed}/T{T}", out, grid="bfloat16")
-    return out
-
-
-def remeasure(meas: Measurement, workdir: Path, modes: Sequence[str], log=print) -> Measurement:
-    """Replay the corpus dumps kept in `workdir` (by `run_calibration`) again in `modes` and replace those modes'
-    points and routing records in `meas` — e.g. after a change to how a mode feeds a site, without rebuilding the
-    corpus. Dumps are found by `run_calibration`'s names: `<preset>-s<seed>-T<T>-<bf16|fp32>.h5`, checkpoint
-    `<preset>-s<seed>/`."""
-    import re
-    import time
-
-    workdir = Path(workdir)
-    keep = [p for p in meas.points if p["mode"] not in modes]
-    keep_r = [r for r in meas.routing if r["mode"] not in modes]
-    out = Measurement(points=keep, routing=keep_r, runs=list(meas.runs))
-    pat = re.compile(r"^(?P<name>.+)-s(?P<seed>\d+)-T(?P<T>\d+)-(?P<tag>bf16|fp32)\.h5$")
-    dumps = sorted(p for p in workdir.glob("*.h5") if pat.match(p.name))
-    if not dumps:
-        raise ValueError(f"{workdir}: no corpus dumps (<preset>-s<seed>-T<T>-<bf16|fp32>.h5) to re-measure")
-    for path in dumps:
-        m = pat.match(path.name)
-        cid = f"{m['name']}/s{m['seed']}/T{m['T']}/{m['tag']}"
-        ckpt = workdir / f"{m['name']}-s{m['seed']}"
-        for mode in modes:
-            t0 = time.perf_counter()
-            rep = measure_replay(path, ckpt, mode, cid, out)
-            out.runs.append({"what": f"re-measure {mode} {cid}", "seconds": round(time.perf_counter() - t0, 1),
-                             "counts_old_rules": rep["counts"]})
-            log(f"re-measured {cid} {mode} in {time.perf_counter() - t0:.1f}s: {rep['counts']} (old rules)")
-    return out
-
 
 def routing_summary(routing: list[dict]) -> dict:
     """Top-k flips per (mode, compute dtype): tokens compared, flipped, benign (replay's classification)."""
@@ -562,7 +309,7 @@ def toml_header(command: str, date: str, mach: str, spec: CorpusSpec, safety: fl
         "Default tolerance rules of ling3-parity (DESIGN §5). Format and lookup: parity/numerics/tolerances.py.",
         "",
         f"Calibrated by `{command}` on {date}, {mach}.",
-        "Generated by parity/calibrate.py; measurements in parity/numerics/calibration/ (measurements.json,",
+        "Generated by parity/calibration/; measurements in parity/numerics/calibration/ (measurements.json,",
         "calibration.md). Do not edit numbers by hand; never raise one to make a failing test pass — re-run the tool.",
         "",
         f"Corpus: presets {', '.join(spec.presets)} (+ tiny-flash without SwiGLU clamp) × seeds "
@@ -598,7 +345,7 @@ def toml_header(command: str, date: str, mach: str, spec: CorpusSpec, safety: fl
 def markdown(aggs: dict, routing: dict, runs: list[dict], command: str, date: str, mach: str,
              rules: list[ProposedRule]) -> str:
     L = [f"# Tolerance calibration", "", f"Command: `{command}`", f"Date: {date}", f"Machine: {mach}", "",
-         "Method: parity/calibrate.py module docstring and the header of default_tolerances.toml.",
+         "Method: parity/calibration/rules.py module docstring and the header of default_tolerances.toml.",
          "Effective ULP = ULP distance of elements outside the group floor (column `floor`, bf16 ULPs of row RMS); fp32 groups: `floor need` =",
          "smallest floor (fp32 ULPs of row RMS) with which every element passes rtol 1e-5.", "",
          "## Noise per class (worst over the corpus; p99 over points in brackets)", "",

@@ -1,0 +1,135 @@
+"""One calibration pipeline (issue 27 item 3): the stored corpus measurements give every shipped generated file, the
+walk's run plan is the recorded corpus, the walk pairs and orders runs as the recorded walks did, and the old tools
+forward to tools/calibrate.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from parity.calibration import corpus as K
+from parity.calibration import pipeline as P
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tool(name: str):
+    """Import tools/<name>.py as a module (tools/ is not a package)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+
+
+@pytest.fixture(scope="module")
+def stored():
+    return P.load(ROOT / P.MEASURED)
+
+
+@pytest.mark.slow
+def test_shipped_files_are_what_the_stored_measurements_give(stored):
+    """Every generated file (three tables, proposed table, calibration.md, measurements.json) is exactly the
+    pipeline's output on the stored measurements: nothing edited by hand, nothing stale."""
+    meas, noise_meta, ex_meta = stored
+    files, _ = P.derive(meas, noise_meta, ex_meta, "python tools/calibrate.py rules")
+    assert len(files) == 6
+    stale = [str(rel) for rel, text in files.items() if (ROOT / rel).read_text(encoding="utf-8") != text]
+    assert not stale, f"regenerate with `python tools/calibrate.py rules`: {stale}"
+    assert not any("after_nonbenign_flip" in p for p in meas.points)  # derive leaves the measurements as stored
+
+
+def test_run_plan_is_the_recorded_corpus(stored):
+    """noise_runs / exactness_runs of the recorded specs name exactly the corpus entries the stored measurements hold
+    (so `corpus` with the recorded options walks the corpus the files were derived from)."""
+    meas, noise_meta, ex_meta = stored
+    plan = {r.corpus_id for r in K.noise_runs(P.noise_spec(noise_meta))}
+    assert plan == {p["corpus"] for p in meas.points if p["mode"] in ("layer", "free", "isolated")}
+    native = {r.corpus_id for r in K.noise_runs(P.noise_spec(noise_meta)) if r.native}
+    assert native == {p["corpus"] for p in meas.points if p["mode"] == "twin_vs_native"}
+    xspec = K.ExactnessSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in ex_meta["corpus"].items()})
+    xplan = {f"{r.name}/s{r.seed}/T{r.prompt_len}" for r in K.exactness_runs(xspec)}
+    assert xplan == {row["point"].split(":")[0] for row in meas.rows}
+
+
+def test_walk_makes_each_checkpoint_once_and_pairs_fp32_with_bf16(monkeypatch, tmp_path):
+    """The walk's order and pairing (the recorded noise walk): one checkpoint per folder/name/seed, runs in order,
+    the fp32-vs-bf16 comparison right after the last dtype of a (checkpoint, prompt length); exactness runs (own
+    folder, bf16 only) are never paired."""
+    calls: list[tuple] = []
+    import parity.torch_ref.ckpt as ckpt
+
+    monkeypatch.setattr(ckpt, "make_checkpoint", lambda out, cfg, seed, force: calls.append(("ckpt", out.name,
+                                                                                              out.parent.name)) or out)
+    monkeypatch.setattr(K, "measure_run", lambda run, c, folder, out, log: calls.append(("run", run.corpus_id))
+                        or folder / run.dump_name)
+    monkeypatch.setattr(K, "measure_dump_pair", lambda a, b, kind, cid, out, grid=None:
+                        calls.append(("pair", kind, a.name, b.name, cid, grid)))
+    spec = K.CorpusSpec(presets=("tiny",), seeds=(1,), prompt_lens=(40, 160), native_seeds=())
+    K.walk(K.noise_runs(spec) + K.exactness_runs(K.ExactnessSpec(seeds=(1,), prompt_lens=(24,))), tmp_path)
+    pair = lambda T: ("pair", "twin_fp32_vs_bf16", f"tiny-s1-T{T}-fp32.h5", f"tiny-s1-T{T}-bf16.h5",  # noqa: E731
+                      f"tiny/s1/T{T}", "bfloat16")
+    assert calls == [("ckpt", "tiny-s1", tmp_path.name), ("run", "tiny/s1/T40/bf16"), ("run", "tiny/s1/T40/fp32"),
+                     pair(40), ("run", "tiny/s1/T160/bf16"), ("run", "tiny/s1/T160/fp32"), pair(160),
+                     ("ckpt", "tiny-s1", K.EXACTNESS_DIR), ("run", "tiny/s1/T24/bf16")]
+
+
+def test_load_names_the_missing_key(tmp_path, stored):
+    (tmp_path / "measurements.json").write_text(json.dumps({"command": "c", "date": "d", "machine": "m"}))
+    (tmp_path / "exactness_corpus.json").write_text("{}")
+    with pytest.raises(P.CalibrationError, match=r"measurements.json: missing key 'corpus'"):
+        P.load(tmp_path)
+    with pytest.raises(P.CalibrationError, match=r"nowhere.*measurements.json: cannot read"):
+        P.load(tmp_path / "nowhere")
+
+
+def test_rules_check_names_a_stale_file(monkeypatch, tmp_path, capsys):
+    """`rules --check` writes nothing and exits 1 naming the file that differs from the derivation."""
+    cal = _tool("calibrate")
+    rel = Path("parity/numerics/x.toml")
+    monkeypatch.setattr(cal.P, "load", lambda folder: (K.Measurement(), {}, {}))
+    monkeypatch.setattr(cal.P, "derive", lambda *a, **k: ({rel: "derived\n"}, []))
+    (tmp_path / rel).parent.mkdir(parents=True)
+    (tmp_path / rel).write_text("derived\n")
+    assert cal.main(["rules", "--check", "--out", str(tmp_path)]) == 0
+    (tmp_path / rel).write_text("edited by hand\n")
+    assert cal.main(["rules", "--check", "--out", str(tmp_path)]) == 1
+    assert f"{rel}: differs" in capsys.readouterr().out
+    assert (tmp_path / rel).read_text() == "edited by hand\n"
+
+
+@pytest.mark.parametrize("tool, argv, forwarded", [
+    ("safety_bounds", ["--write"], ["rules"]),
+    ("safety_bounds", [], ["rules", "--check"]),
+    ("safety_bounds", ["--points", "d/points.json.gz", "--safety", "12", "--write"],
+     ["rules", "--from", "d", "--bounds-safety", "12"]),
+    ("exactness", ["--from-corpus", "d/exactness_rows.json.gz"], ["rules", "--from", "d"]),
+    ("exactness", ["--seeds", "1,2", "--prompt-lens", "24", "--decode-steps", "2", "--workdir", "w"],
+     ["corpus", "--only", "exactness", "--exactness-seeds", "1,2", "--exactness-prompt-lens", "24",
+      "--exactness-decode-steps", "2", "--workdir", "w"]),
+    ("resolution", ["--dump", "a.h5", "--modes", "layer"], ["resolution", "--dump", "a.h5", "--modes", "layer"]),
+])
+def test_old_tools_say_where_they_moved_and_forward(monkeypatch, capsys, tool, argv, forwarded):
+    mod = _tool(tool)
+    got = []
+    monkeypatch.setattr(mod.calibrate, "main", lambda a: got.append(a) or 0)
+    assert mod.main(argv) == 0
+    assert got == [forwarded]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"tools/{tool}.py moved: running `python tools/calibrate.py")
+
+
+def test_calibrate_without_subcommand_forwards_the_recorded_commands():
+    cal = _tool("calibrate")
+    assert cal.legacy(["--seeds", "1,2", "--workdir", "w", "--write-defaults"]) == \
+        ["corpus", "--seeds", "1,2", "--workdir", "w"]
+    assert cal.legacy(["--from-points", "d", "--write-defaults"]) == ["rules", "--from", "d"]
+    assert cal.legacy(["--from-points", "d", "--remeasure", "isolated", "--workdir", "w"]) == \
+        ["corpus", "--remeasure", "isolated", "--workdir", "w"]
