@@ -15,6 +15,9 @@ Three ways to read a tensor, all declared in the maps:
 - `function`: the return value of a module-level function of the module's own Python module (the official MLA calls
   the global `eager_attention_forward`), read by a wrapper installed in that module's globals while the capture is
   active and attributed to the layer whose module is running.
+A spec may name a declared `transform` (`TRANSFORMS`): a point the runtime computes inside a kernel from a tensor it
+does expose, recomputed from that tensor as the runtime's own code does (the official KDA's beta and gate under fla's
+real kernels); the dataset's `module` attr names the transform.
 
 MTP layers (`model.layers.{N+j}`, run by the official forward after the main stack) are captured into their own
 points (`parity.mtp_points.MtpPoint`, group `MTP{j}`): per-layer specs apply to them unless `scope="main"`, specs with
@@ -50,6 +53,7 @@ class TapSpec:
     method: read the return value of this method of the module instead of the module's output.
     function: read the return value of this module-level function of the module's Python module, while the module runs.
     mtp_calls: model-level only — the (1+j)-th call in one forward is MTP layer j's point (embedding, LM head).
+    transform: name in TRANSFORMS applied to the captured tensor (with the layer's attention module) before emission.
     """
 
     module: str
@@ -62,6 +66,7 @@ class TapSpec:
     method: str | None = None
     function: str | None = None
     mtp_calls: bool = False
+    transform: str | None = None
 
 
 def _layer(site: str, rel: str, **kw) -> TapSpec:
@@ -108,6 +113,36 @@ _OFFICIAL_STRUCTURE: list[TapSpec] = [
     _layer("mlp.gate.logits", "mlp.gate", index=2, mlp="moe"),
     _layer("mlp.routed", "mlp", method="moe_infer", mlp="moe"),
     _layer("attention.core", "attention", function="eager_attention_forward", index=0, kind="mla"),
+]
+
+# Declared transforms: (captured tensor, the layer's attention module) -> the canonical point, computed as the
+# official code (or the kernel it calls) computes it. Read-only: new tensors, the module is not touched.
+def _beta_sigmoid_fp32(b: torch.Tensor, _attn: torch.nn.Module) -> torch.Tensor:
+    """attention.beta from b_proj's output: the official `self.b_proj(x).float().sigmoid()` (facts §3.4, fp32)."""
+    return b.float().sigmoid()
+
+
+def _kda_gate_in_kernel(f: torch.Tensor, attn: torch.nn.Module) -> torch.Tensor:
+    """attention.gate from f_proj's output [B,T,P]: the gate fla computes inside the kernel (use_gate_in_kernel),
+    `lb·σ(exp(A_log)·(f + dt_bias))` with lb = the module's lower_bound, else the softplus form (facts §3.5), fp32."""
+    from parity.torch_ref.fla_cpu import kda_gate  # pure torch; importing it installs nothing
+
+    heads = attn.A_log.numel()
+    return kda_gate(f.unflatten(-1, (heads, f.shape[-1] // heads)), attn.A_log, attn.dt_bias, attn.lower_bound)
+
+
+TRANSFORMS: dict[str, Callable[[torch.Tensor, torch.nn.Module], torch.Tensor]] = {
+    "beta_sigmoid_fp32": _beta_sigmoid_fp32,
+    "kda_gate_in_kernel": _kda_gate_in_kernel,
+}
+
+# The official KDA under fla's real kernels: what the kernel computes inside and the code does not return, recovered
+# from what it does expose without changing its numerics (hooks only read). `attention.state` comes from the cache
+# (dump.py's snapshot). With the CPU stand-ins their observer reports these instead (OBSERVER_SITES).
+_OFFICIAL_KDA_DERIVED: list[TapSpec] = [
+    _layer("attention.core", "attention.o_norm", io="input", index=0, kind="kda"),  # o, before o_norm (facts §3.7)
+    _layer("attention.beta", "attention.b_proj", kind="kda", transform="beta_sigmoid_fp32"),
+    _layer("attention.gate", "attention.f_proj", kind="kda", transform="kda_gate_in_kernel"),
 ]
 
 # The twin's parameter-free observation taps (parity/torch_ref/twin): points the official code computes inside kernels.
@@ -159,14 +194,21 @@ RUNTIME_MAPS: dict[str, list[TapSpec]] = {
 }
 
 # Why a map lacks a site (recorded with the site in the dump's unavailable table).
-UNEXPOSED = {
-    ("official", "attention.gate"): "the official MLA computes its head gate as an inline sigmoid of g_proj (no "
-                                    "module, method or function call to read it from)",
+UNEXPOSED = {  # (map, layer kind, site) -> reason
+    ("official", "mla", "attention.gate"): "the official MLA computes its head gate as an inline sigmoid of g_proj (no "
+                                           "module, method or function call to read it from)",
 }
 
 # Sites read from fla_cpu's KDA observer (official file on CPU): observer key -> site.
 OBSERVER_SITES = {"gate": "attention.gate", "beta": "attention.beta", "core": "attention.core",
                   "state": "attention.state"}
+
+
+def map_specs(map_name: str, observer: bool) -> list[TapSpec]:
+    """The specs a capture uses: the runtime's map, plus the official KDA's derived points where the stand-ins'
+    observer does not report them (fla's real kernels)."""
+    specs = RUNTIME_MAPS[map_name]
+    return specs + _OFFICIAL_KDA_DERIVED if map_name == "official" and not observer else specs
 
 
 def runtime_map_name(model: torch.nn.Module, runtime: str) -> str:
@@ -232,6 +274,7 @@ class Capture:
         self._calls: dict[str, int] = {}  # model-level site -> calls in this forward (mtp_calls specs)
         self._running: dict[str, list[int]] = {}  # function name -> stack of layers whose module is running
         self._fn_specs: dict[str, list[tuple[int | None, TapSpec]]] = {}  # function name -> what it feeds
+        self.specs = map_specs(map_name, _observer_available())
 
     # ---------------------------------------------------------------- selection
     def wants(self, layer: int | None, site: str) -> bool:
@@ -244,7 +287,7 @@ class Capture:
     def provided_sites(self, layer: int) -> set[str]:
         """Sites this runtime map provides for layer i (observer sites included when the stand-ins observe)."""
         out = set()
-        for spec in RUNTIME_MAPS[self.map_name]:
+        for spec in self.specs:
             if "{i}" in spec.module and self._applies(spec, layer):
                 out.add(spec.site)
         if self.map_name == "official" and self.cfg.layer_kind(layer) == "kda" and _observer_available():
@@ -258,11 +301,14 @@ class Capture:
     def unavailable_mtp_sites(self) -> list[str]:
         """Canonical MTP sites this runtime map cannot provide (embed/logits come from `mtp_calls` model specs)."""
         n = self.cfg.num_hidden_layers
-        have = self.provided_sites(n) | {s.site for s in RUNTIME_MAPS[self.map_name] if s.mtp_calls}
+        have = self.provided_sites(n) | {s.site for s in self.specs if s.mtp_calls}
         return [s for s in mtp_sites(self.cfg) if s not in have]
 
-    def unexposed_reason(self, site: str) -> str:
-        return UNEXPOSED.get((self.map_name, site), f"the {self.map_name} runtime does not expose {site}")
+    def unexposed_reason(self, site: str, layer: int | None = None) -> str:
+        """Why layer `layer`'s `site` is not provided (MTP layers, numbered from N on, are MLA layers: facts §2)."""
+        n = self.cfg.num_hidden_layers
+        kind = None if layer is None else ("mla" if layer >= n else self.cfg.layer_kind(layer))
+        return UNEXPOSED.get((self.map_name, kind, site), f"the {self.map_name} runtime does not expose {site}")
 
     def _applies(self, spec: TapSpec, i: int) -> bool:
         mtp = i >= self.cfg.num_hidden_layers
@@ -293,7 +339,7 @@ class Capture:
         if self.want_mtp:  # MTP layers the config declares and the model holds (facts §2)
             self.mtp_layers = [n + j for j in range(self.cfg.num_nextn_predict_layers)
                                if find(f"model.layers.{n + j}.eh_proj") is not None]
-        for spec in RUNTIME_MAPS[self.map_name]:
+        for spec in self.specs:
             targets: list[tuple[int | None, str]]
             if "{i}" in spec.module:
                 targets = [(i, spec.module.format(i=i)) for i in sorted(self.layers) + self.mtp_layers
@@ -315,6 +361,8 @@ class Capture:
                     self._function_tap(mod, spec, layer)
                 elif spec.method:
                     self._method_tap(mod, spec, layer)
+                elif spec.transform:
+                    self.handles.append(self._transform_hook(mod, find(path.rsplit(".", 1)[0]), spec, layer))
                 else:
                     self.handles.append(self._hook(mod, spec, layer))
         if self.map_name == "official" and _observer_available():
@@ -362,6 +410,19 @@ class Capture:
                         self.emit(self.mtp_layers[j], spec.site, value, module=spec.module, io="output")
                     return  # MTP not captured (e.g. a --layers subset): its embedding/LM head call is not recorded
             self.emit(layer, spec.site, value, module=spec.module, io="output")
+
+        return mod.register_forward_hook(hook)
+
+    def _transform_hook(self, mod: torch.nn.Module, owner: torch.nn.Module, spec: TapSpec, layer: int | None):
+        """Forward hook emitting TRANSFORMS[spec.transform](output, owner); owner = the module one level up."""
+        fn = TRANSFORMS[spec.transform]
+
+        def hook(_m, _args, output):
+            value = self._pick(spec, output)
+            if isinstance(value, torch.Tensor):
+                with torch.no_grad():
+                    derived = fn(value, owner)
+                self.emit(layer, spec.site, derived, module=f"{spec.module} -> {spec.transform}", io="output")
 
         return mod.register_forward_hook(hook)
 

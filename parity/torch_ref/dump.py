@@ -481,7 +481,7 @@ def dump_checkpoint(
                 for i in layers:
                     for site in cap.unavailable_sites(i):
                         if cap.wants(i, site):
-                            unavailable[f"L{i:02d}/{site}"] = cap.unexposed_reason(site)
+                            unavailable[f"L{i:02d}/{site}"] = cap.unexposed_reason(site, i)
                 all_tokens = [ids]
                 progress = _progress(opts.progress, (1 + opts.decode_steps) * len(layers))
                 with cap, torch.no_grad():
@@ -493,7 +493,8 @@ def dump_checkpoint(
                             else:
                                 for site in cap.unavailable_mtp_sites():
                                     if cap.wants(cfg.num_hidden_layers + j, site):
-                                        unavailable[f"{mtp_group(j)}/{site}"] = cap.unexposed_reason(site)
+                                        unavailable[f"{mtp_group(j)}/{site}"] = cap.unexposed_reason(
+                                            site, cfg.num_hidden_layers + j)
                     _count_layers(model, cfg, layers, progress, cap)
                     cap.begin("prefill", 0, B, T)
                     pos = torch.arange(T, device=device)

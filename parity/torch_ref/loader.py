@@ -208,6 +208,17 @@ def _import_builtin_clean():
 
 
 # ----------------------------------------------------------------------------------------------- load_model
+def _interpreter_support(guards: dict[str, Any]) -> None:
+    """Under TRITON_INTERPRET=1 with a real fla + triton, patch Triton's interpreter so fla's KDA kernels run
+    correctly on CPU (`triton_interp`; stock Triton 3.9.0 cannot). Process-wide; recorded in the guards."""
+    from parity.torch_ref import fla_cpu
+
+    if os.environ.get("TRITON_INTERPRET") == "1" and fla_cpu.real_fla_with_triton():
+        from parity.torch_ref import triton_interp
+
+        guards["triton_interpreter"] = {"patches": triton_interp.install()}
+
+
 def load_model(
     ckpt_dir: str | Path,
     runtime: str,
@@ -290,6 +301,7 @@ def load_model(
             fla_cpu.install_transformers_shims()  # the official file needs them on 5.x on any device
             # what the runtime then calls (fla, or the twin's own path without it) is observed by the dump (`kernels`)
             guards["fla_kernels"] = f"not replaced: the runtime imports fla itself; {kernels_why}"
+            _interpreter_support(guards)
         guards["transformers_shims"] = ["import_utils.is_torch_fx_available", "ROPE_INIT_FUNCTIONS['default']"]
         try:
             with _quiet_transformers():
@@ -335,6 +347,7 @@ def load_model(
                               "first imported while the fla stand-ins were installed and is not independent in this "
                               "process — run it in a fresh process")
         guards["native_kda_kernels"] = bound
+        _interpreter_support(guards)  # the built-in calls fla's kernels itself wherever fla + triton import
         kinds = cfg.layer_kinds
         lt = list(layer_types) if layer_types is not None else [NATIVE_LAYER_TYPES[k] for k in kinds]
         if len(lt) != cfg.num_hidden_layers:
