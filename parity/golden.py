@@ -136,7 +136,7 @@ def dump_structure(path: str | Path) -> dict:
             datasets[name] = {"shape": tuple(obj.shape), "storage": str(obj.dtype),
                               "attrs": {k: _plain(v) for k, v in obj.attrs.items()}}
 
-    with h5py.File(path, "r") as f:
+    with h5py.File(path, "r", locking=False) as f:  # as DumpReader: a worker may hold the same file open
         f.visititems(visit)
     return {"root": root, "datasets": datasets, "values": values}
 

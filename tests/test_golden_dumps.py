@@ -111,3 +111,17 @@ def test_a_capture_change_fails_the_structure_check(tmp_path, monkeypatch):
     diffs = structure_differences(dump_structure(DUMPS / golden.file), dump_structure(out))
     added = [d for d in diffs if "attention.o_norm:in: recorded by the capture now" in d]
     assert added and all(d.startswith(("prefill/L", "decode/S")) for d in added), diffs[:10]
+
+
+def test_structure_reads_a_dump_this_process_already_holds_open():
+    """An xdist worker may hold a bundled dump open through a DumpReader (locking off, for concurrent readers) when
+    the structure check reads it: HDF5 refuses a second open with other locking flags ("file locking flag values
+    don't match", measured in a `-n 2` run), so the check opens it the reader's way."""
+    from parity.dumpfile import DumpReader
+    from parity.golden import dump_structure
+
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "dumps" / "tiny-bf16.h5"
+    with DumpReader(path):
+        assert dump_structure(path)["datasets"]
