@@ -172,3 +172,38 @@ def test_variant_shadow_explains_only_what_the_variant_gives(monkeypatch):
     rep = run_replay(dump, target=PlantedFusedScaleNorm, layers=[0])
     assert not rep["passed"], "without the variant shadow the inherited differences should fail"
     assert rep["first_divergence"]["site"] != "input_layernorm"  # the variant itself is still never the divergence
+
+
+def test_head_variant_shadow_explains_the_logits_and_nothing_else(monkeypatch):
+    """A head whose final norm is the single-rounding variant passes its LM head's logits through 1-ULP different
+    inputs: with the head's variant shadow (the reference's LM head on that variant's norm) they are `variant`, without
+    it they fail; logits that are also wrong (scaled by 1.01) still fail."""
+    from parity.numerics.variants import _fused_scale, row_scale
+    from parity.replay import run_replay
+    from parity.replay.session import Session
+    from parity.targets.reference import ReferenceTarget
+
+    class VariantHead(ReferenceTarget):
+        name, scale = "variant-head", 1.0
+
+        def head(self, hidden):
+            x = np.asarray(hidden).astype(np.float32)
+            w = np.asarray(self.globals["final_norm"]).astype(np.float32)
+            normed = _fused_scale(x, w, row_scale(x, self.cfg.rms_norm_eps).astype(np.float32)).astype(BF16)
+            return {"final_norm": normed, "logits": self.logits_of(normed) * np.float32(self.scale)}
+
+    class WrongLogits(VariantHead):
+        scale = 1.01
+
+    dump = ROOT / "dumps" / "tiny-bf16.h5"
+
+    def statuses(target):
+        rep = run_replay(dump, target=target, layers=[])
+        return ([p["status"] for p in rep["points"] if p["site"] == "final_norm"],
+                [p["status"] for p in rep["points"] if p["site"] == "logits"])
+
+    norms, logits = statuses(VariantHead)
+    assert norms == ["variant"] * 5 and "fail" not in logits and "variant" in logits, (norms, logits)
+    assert "fail" in statuses(WrongLogits)[1]
+    monkeypatch.setattr(Session, "variant_shadow", lambda self, name: None)
+    assert "fail" in statuses(VariantHead)[1]

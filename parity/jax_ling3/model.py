@@ -29,10 +29,17 @@ def head(final_norm_w: jnp.ndarray, lm_head: jnp.ndarray, h: jnp.ndarray, eps: f
     """Final RMSNorm, then lm_head in the model dtype and `.float()` after (facts §6, §8).
     lm_head [D,V]. Returns {"final_norm": [B,T,D], "logits": [B,T,V] fp32}."""
     x = rms_norm(h, final_norm_w, eps)
-    return {"final_norm": x, "logits": linear(x, lm_head).astype(F32)}
+    return {"final_norm": x, "logits": lm_head_logits(lm_head, x)}
+
+
+def lm_head_logits(lm_head: jnp.ndarray, x: jnp.ndarray) -> jnp.ndarray:
+    """The second half of `head`: lm_head on an already normalised x (the variant shadow of the head feeds it the
+    final norm a named variant gives, parity.replay.strategies)."""
+    return linear(x, lm_head).astype(F32)
 
 
 embed_jit = jax.jit(embed, compiler_options=REFERENCE_COMPILER_OPTIONS)
+lm_head_logits_jit = jax.jit(lm_head_logits, compiler_options=REFERENCE_COMPILER_OPTIONS)
 head_jit = jax.jit(head, static_argnames=("eps",), compiler_options=REFERENCE_COMPILER_OPTIONS)
 
 

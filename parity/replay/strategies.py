@@ -81,23 +81,27 @@ def _variant_of(vs: dict | None, site: str) -> dict | None:
     return {"variant": vs["variant"], "at": vs["at"], "array": vs["points"][site]}
 
 
-def _variant_shadow(s: Session, i: int, hf: dict, phase: str, step: int, check, test) -> list | None:
-    """[variant, loaded reference computing it, its state, point key] where the target's input norm of this first
-    step fails the rounding check but matches a named variant (parity.numerics.variants), else None. Its differences
-    are inherited by everything after the norm in the layer; the judge compares those points with this shadow too."""
-    if check is None or test is None or s.strict_variants:
+def _matched_variant(s: Session, pt: Point, check, test):
+    """The named variant (parity.numerics.variants) the target's output at the RMSNorm point `pt` matches where it
+    fails the rounding check, else None (also under --parity-strict-variants: no shadow then)."""
+    if check is None or test is None or s.strict_variants or not s.dump.has(pt):
         return None
-    pt = Point(phase, step, i, "input_layernorm")
-    rule = s.rules.rule_for("input_layernorm", s.mode, s.dump.dtype(pt), s.dtype)
-    if rule.norm_scale_noise is None or not s.dump.has(pt):
-        return None
+    rule = s.rules.rule_for(pt.site, s.mode, s.dump.dtype(pt), s.dtype)
     test = np.asarray(test)
-    if test.dtype.name != "bfloat16":
+    if rule.norm_scale_noise is None or test.dtype.name != "bfloat16":
         return None
     entry = check.check(s.dump.read(pt), test, rule.norm_scale_noise)
     if not entry.get("applied") or not entry.get("outside"):
         return None
-    v = check.variant(test, rule.norm_scale_noise)
+    return check.variant(test, rule.norm_scale_noise)
+
+
+def _variant_shadow(s: Session, i: int, hf: dict, phase: str, step: int, check, test) -> list | None:
+    """[variant, loaded reference computing it, its state, point key] where the target's input norm of this first
+    step fails the rounding check but matches a named variant (parity.numerics.variants), else None. Its differences
+    are inherited by everything after the norm in the layer; the judge compares those points with this shadow too."""
+    pt = Point(phase, step, i, "input_layernorm")
+    v = _matched_variant(s, pt, check, test)
     t = None if v is None else s.variant_shadow(v.name)
     if t is None:
         return None
@@ -248,11 +252,33 @@ def observe_model_points(s: Session) -> Iterator[Observation]:
         if s.dump.has(last):
             x = s.dump.read(last)
             head = s.call(f"model {phase} step {step}: head", s.target.head, x)
+            check = _rms_check(x, hf.get("model.norm.weight"), s.config.rms_norm_eps)
+            vshadow = _head_variant_shadow(s, hf, Point(phase, step, None, "final_norm"), check, x,
+                                           head.get("final_norm"))
             for site in ("final_norm", "logits"):
                 pt = Point(phase, step, None, site)
                 yield Observation(pt, _read(s, pt), head.get(site), s.mode,
-                                  rounding=_rms_check(x, hf.get("model.norm.weight"), s.config.rms_norm_eps)
-                                  if site == "final_norm" else None)
+                                  rounding=check if site == "final_norm" else None,
+                                  variant_shadow=vshadow if site == "logits" else None)
+
+
+def _head_variant_shadow(s: Session, hf: dict, pt: Point, check, x, test) -> dict | None:
+    """Where the target's final norm is a named variant: the logits the reference's LM head gives on that variant's
+    final norm (the judge compares the target's logits with them too, as the layers' variant shadow does)."""
+    v = _matched_variant(s, pt, check, test)
+    t = None if v is None else s.variant_shadow(v.name)
+    if t is None:
+        return None
+    if getattr(t, "globals", None) is None:
+        s.call(f"load_globals (reference with variant {v.name})", t.load_globals, hf)
+    from parity.numerics.variants import row_scale
+
+    x32 = np.asarray(x).astype(np.float32)
+    w32 = np.asarray(hf["model.norm.weight"]).astype(np.float32)
+    normed = v.fns[0](x32, w32, row_scale(x32, s.config.rms_norm_eps).astype(np.float32))
+    logits = s.call(f"model {pt.phase} step {pt.step}: logits (reference with variant {v.name})", t.logits_of,
+                    normed.astype(np.asarray(test).dtype))
+    return {"variant": v.to_dict(), "at": pt.key(), "array": logits}
 
 
 def observe_free(s: Session, progress=None) -> Iterator[Observation]:

@@ -169,6 +169,15 @@ class ReferenceTarget(Target):
         out = head_jit(self.globals["final_norm"], self.globals["lm_head"], h, float(self.cfg.rms_norm_eps))
         return {k: np.asarray(v) for k, v in out.items()}
 
+    def logits_of(self, normed: np.ndarray) -> np.ndarray:
+        """The LM head alone on an already normalised [B,T,D] (the head's variant shadow)."""
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.model import lm_head_logits_jit
+        from parity.jax_ling3.spec import dtype_of
+
+        return np.asarray(lm_head_logits_jit(self.globals["lm_head"], jnp.asarray(normed, dtype_of(self.dtype))))
+
     def layer_forward(self, i: int, hidden: np.ndarray, positions: np.ndarray, state: Any = None,
                       forced_topk: np.ndarray | None = None) -> LayerResult:
         import jax.numpy as jnp
