@@ -23,12 +23,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("fla's kernels need a CUDA device or TRITON_INTERPRET=1 set before the run", allow_module_level=True)
 if INTERPRET:
-    _interp = pytest.importorskip("parity.torch_ref.triton_interp",
-                                  reason="the project's Triton interpreter support is not in this checkout")
-    if not callable(getattr(_interp, "install", None)):
-        pytest.skip("parity.torch_ref.triton_interp has no install(): align this test with its API",
-                    allow_module_level=True)
-    _interp.install()
+    from parity.torch_ref import triton_interp
+
+    triton_interp.install()
 
 from parity.torch_ref import fla_cpu  # noqa: E402
 

@@ -128,6 +128,20 @@ def kda_recurrent_core(q, k, v, g, beta, scale: float, S0: torch.Tensor | None):
     return o, S
 
 
+def _chunker(T: int, C: int):
+    """(n, chunks): the number of chunks of C tokens covering T, and the map [B,T,HV,*] -> [B,HV,n,C,*] that pads a
+    ragged tail with zeros (no-op steps). Shared by the fp32 and the kernel-faithful chunked paths."""
+    n = max(1, math.ceil(T / C))
+    pad = n * C - T
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        if pad:
+            x = F.pad(x, (0, 0) * (x.dim() - 3) + (0, 0, 0, pad))
+        return x.reshape(x.shape[0], n, C, x.shape[2], *x.shape[3:]).movedim(3, 1)
+
+    return n, chunks
+
+
 def kda_chunk_core(q, k, v, g, beta, scale: float, S0: torch.Tensor | None, chunk_size: int = CHUNK_SIZE):
     """Chunked KDA in WY/UT form (§3.6), fp32; same inputs/outputs as `kda_recurrent_core`.
 
@@ -142,13 +156,7 @@ def kda_chunk_core(q, k, v, g, beta, scale: float, S0: torch.Tensor | None, chun
     B, T, HV, K = q.shape
     V = v.shape[-1]
     C = chunk_size
-    n = max(1, math.ceil(T / C))
-    pad = n * C - T
-
-    def chunks(x):  # [B,T,HV,*] -> [B,HV,n,C,*]
-        if pad:
-            x = F.pad(x, (0, 0) * (x.dim() - 3) + (0, 0, 0, pad))
-        return x.reshape(B, n, C, HV, *x.shape[3:]).movedim(3, 1)
+    n, chunks = _chunker(T, C)
 
     qc, kc, vc, gc = chunks(q * scale), chunks(k), chunks(v), chunks(g)
     bc = chunks(beta.unsqueeze(-1)).squeeze(-1)  # [B,HV,n,C]
@@ -230,13 +238,7 @@ def kda_chunk_core_kernel(q, k, v, g, beta, scale: float, S0: torch.Tensor | Non
     B, T, HV, K = q.shape
     V = v.shape[-1]
     C = chunk_size
-    n = max(1, math.ceil(T / C))
-    pad = n * C - T
-
-    def chunks(x):  # [B,T,HV,*] -> [B,HV,n,C,*]
-        if pad:
-            x = F.pad(x, (0, 0) * (x.dim() - 3) + (0, 0, 0, pad))
-        return x.reshape(B, n, C, HV, *x.shape[3:]).movedim(3, 1)
+    n, chunks = _chunker(T, C)
 
     qc, kc, vc, gc = chunks(rnd(q)), chunks(rnd(k)), chunks(v.float()), chunks(g)
     bc = chunks(beta.unsqueeze(-1)).squeeze(-1)
