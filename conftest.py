@@ -11,4 +11,4 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # option of its own jitted functions (parity/jax_ling3/__init__.py), so a port replayed by `pytest parity` runs under
 # its production flags (DESIGN §7). Unit tests that jit jax_ling3 functions themselves get it from tests/conftest.py.
 
-pytest_plugins = ["parity.plugin"]
+pytest_plugins = ["parity.pytest_plugin.plugin"]

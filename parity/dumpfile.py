@@ -12,7 +12,7 @@ Layout (DESIGN §4):
     /prefill/model/<site>    model-level sites (embed, final_norm, logits)
     /prefill/L03/<site>      one dataset per site; attrs dtype, module, io, shape_names
     /decode/S001/L03/<site>  the same per decode step
-    /prefill/MTP0/<site>     MTP layer j's points (`parity.mtp_points`): their own group, never mixed into the main
+    /prefill/MTP0/<site>     MTP layer j's points (`parity.model.mtp_points`): their own group, never mixed into the main
     /decode/S001/MTP0/<site> stack's (the reader lists them apart: `mtp_points()`; `points()` is the main stack)
     /unavailable             [N, 2] strings: (point or site pattern, reason) a runtime cannot provide (never zeros)
     /stats/<point path>      statistics-only mode: an *empty* dataset (h5py.Empty) whose attrs are the statistics;
@@ -52,9 +52,9 @@ import ml_dtypes
 import numpy as np
 
 from parity.errors import CheckpointError, ConfigError, DumpError, ParityError
-from parity.mtp_points import GROUP_RE as _MTP_RE
-from parity.mtp_points import MtpPoint
-from parity.points import Point, mtp_site
+from parity.model.mtp_points import GROUP_RE as _MTP_RE
+from parity.model.mtp_points import MtpPoint
+from parity.model.points import Point, mtp_site
 from parity.provenance import check_kernels
 
 SCHEMA = "ling3-parity-dump"
@@ -780,7 +780,7 @@ class DumpWriter:
 
     def _check_point(self, point: Point | MtpPoint) -> None:
         if not isinstance(point, (Point, MtpPoint)):
-            raise DumpError(f"{self.path}: got {point!r}, expected a parity.points.Point or parity.mtp_points.MtpPoint")
+            raise DumpError(f"{self.path}: got {point!r}, expected a parity.model.points.Point or parity.model.mtp_points.MtpPoint")
         ok = (point.phase == "prefill" and point.step == 0) or (point.phase == "decode" and point.step >= 1)
         layer = point.mtp if isinstance(point, MtpPoint) else point.layer
         if not ok or (layer is not None and layer < 0) or not point.site or "/" in point.site:
@@ -972,7 +972,7 @@ def validate_dump(path: str | os.PathLike, *, expect_fingerprint: str | None = N
 
 # ---------------------------------------------------------------------------------------------------- reader
 def _stored(point):
-    """The replay names MTP points `Point(phase, step, None, "MTP{j}/<site>")` (parity.points.mtp_site); the file
+    """The replay names MTP points `Point(phase, step, None, "MTP{j}/<site>")` (parity.model.points.mtp_site); the file
     indexes them as `MtpPoint`s."""
     if isinstance(point, Point) and point.layer is None and (m := mtp_site(point.site)) is not None:
         return MtpPoint(point.phase, point.step, m[0], m[1])
@@ -1025,7 +1025,7 @@ class DumpReader:
     def config(self):
         """The dump's Ling3Config (non-strict: a newer config with extra keys still reads)."""
         if self._config is None:
-            from parity.config import Ling3Config
+            from parity.model.config import Ling3Config
 
             try:
                 self._config = Ling3Config.from_dict(json.loads(self.meta["config_json"]),

@@ -1,10 +1,10 @@
-"""Smoke test of parity.bench: one JAX child and one twin child on the bundled tiny checkpoint, and the table."""
+"""Smoke test of parity.cli.bench: one JAX child and one twin child on the bundled tiny checkpoint, and the table."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from parity.bench import run_child, table
+from parity.cli.bench import run_child, table
 
 CKPT = str(Path(__file__).resolve().parents[1] / "dumps" / "ckpt" / "tiny")
 
@@ -34,7 +34,7 @@ def test_bench_inputs_round_like_torch():
     import numpy as np
     import torch
 
-    from parity.bench import hidden_states
+    from parity.cli.bench import hidden_states
 
     h = hidden_states(64, 96)
     x = np.random.default_rng(0).standard_normal((1, 64, 96)).astype(np.float32)

@@ -10,7 +10,7 @@ import pytest
 
 from parity.calibration import noise as N
 from parity.calibration import rules as C
-from parity.points import site_class
+from parity.model.points import site_class
 from parity.numerics.compare import compare
 from parity.numerics.tolerances import _parse_text, default_rules
 

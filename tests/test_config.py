@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from parity.config import LING3_FLASH_CONFIG, LING3_TINY_CONFIG, PRESETS, Ling3Config
+from parity.model.config import LING3_FLASH_CONFIG, LING3_TINY_CONFIG, PRESETS, Ling3Config
 from parity.errors import ConfigError
 
 

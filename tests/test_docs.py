@@ -52,7 +52,7 @@ def help_subcommands(text: str) -> list[str]:
 def known_options() -> dict[str, set[str]]:
     """Command name -> its options: 'pytest', 'ci_summary', each tool by name, 'tool sub' per subcommand."""
     known = {"pytest": help_options(_help(["-m", "pytest", "-p", "no:cacheprovider"])),
-             "ci_summary": help_options(_help(["-m", "parity.ci_summary"]))}
+             "ci_summary": help_options(_help(["-m", "parity.pytest_plugin.ci_summary"]))}
     for tool in sorted((ROOT / "tools").glob("*.py")):
         text = _help([f"tools/{tool.name}"])
         known[tool.stem] = help_options(text)
@@ -82,7 +82,7 @@ def option_problems(segment: str, known: dict[str, set[str]]) -> list[str]:
             cmd = tool.group(1)
             nxt = tokens[i + 1] if i + 1 < len(tokens) else ""
             cmd = f"{cmd} {nxt}" if f"{cmd} {nxt}" in known else cmd
-        elif tok == "parity.ci_summary":
+        elif tok == "parity.pytest_plugin.ci_summary":
             cmd = "ci_summary"
         elif tok in ("pytest", "pip"):
             cmd = tok

@@ -1,7 +1,7 @@
 """tools/dump_hf.py and parity.torch_ref.dump on the bundled tiny checkpoints (issue: dump acceptance).
 
 What is checked independently of the dumper's own code: coverage against the canonical point list of DESIGN §3
-(parity.points), twin (remote) vs transformers' built-in bailing_hybrid (native) at every shared point, hook
+(parity.model.points), twin (remote) vs transformers' built-in bailing_hybrid (native) at every shared point, hook
 transparency (bit-identical logits), the official-quirk guards, atomic writes.
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from parity.config import Ling3Config
+from parity.model.config import Ling3Config
 from parity.dumpfile import DumpReader, validate_dump
 from parity.errors import DumpError, ParityError
-from parity.points import sites_for_config
+from parity.model.points import sites_for_config
 from parity.torch_ref.dump import DumpOptions, dump_checkpoint
 from parity.torch_ref.prompts import builtin_ids
 
@@ -56,7 +56,7 @@ def test_dump_holds_every_canonical_point(tiny_dump):
                 want = set(sites_for_config(cfg, i)) | ({"attention.dense:in"} if cfg.layer_kind(i) == "mla" else set())
                 got = set(d.sites(phase, step, i))
                 assert want <= got, (phase, step, i, sorted(want - got))
-            # canonical shapes (parity.points.canonical_shape) and real dtypes
+            # canonical shapes (parity.model.points.canonical_shape) and real dtypes
             assert d.read(_pt(phase, step, 1, "attention.gate")).shape == (1, T, 4, 16)
             assert str(d.read(_pt(phase, step, 1, "attention.gate")).dtype) == "float32"  # fp32 gate (facts §8)
             assert str(d.read(_pt(phase, step, 1, "attention.q_proj")).dtype) == "bfloat16"
@@ -73,7 +73,7 @@ def test_dump_holds_every_canonical_point(tiny_dump):
 
 
 def _pt(phase, step, layer, site):
-    from parity.points import Point
+    from parity.model.points import Point
 
     return Point(phase, step, layer, site)
 
@@ -427,7 +427,7 @@ def test_writer_thread_and_no_compression_write_what_the_default_writes(tmp_path
 
 
 def test_background_writer_raises_a_write_error_in_the_caller():
-    from parity.points import Point
+    from parity.model.points import Point
     from parity.torch_ref.dump import BackgroundWriter
 
     done = []

@@ -23,10 +23,10 @@ import pytest
 from safetensors.numpy import save_file
 
 from parity import dumpfile
-from parity.config import PRESETS
+from parity.model.config import PRESETS
 from parity.dumpfile import DumpReader, DumpWriter, fingerprint_checkpoint, seal_dump, validate_dump
 from parity.errors import CheckpointError, DumpError
-from parity.points import Point
+from parity.model.points import Point
 
 REPO = Path(__file__).resolve().parents[1]
 FP_A = "a" * 64
@@ -341,7 +341,7 @@ def test_force_replaces_only_when_complete(tmp_path):
 KILLED_WRITER = textwrap.dedent("""
     import sys, numpy as np
     from parity.dumpfile import DumpWriter
-    from parity.points import Point
+    from parity.model.points import Point
     meta = json_meta = __import__("json").loads(sys.argv[2])
     w = DumpWriter(sys.argv[1], meta).__enter__()
     for i in range(10**6):
@@ -476,7 +476,7 @@ def test_fingerprint_mismatch_names_both(good_dump):
 
 def test_several_processes_read_one_dump_at_once(good_dump):
     """Read-only opens without HDF5 locking: another process reads while this one holds the file open."""
-    code = ("import sys; from parity.dumpfile import DumpReader; from parity.points import Point\n"
+    code = ("import sys; from parity.dumpfile import DumpReader; from parity.model.points import Point\n"
             "with DumpReader(sys.argv[1]) as r: print(r.read(Point('prefill', 0, 3, 'attention.core')).sum())")
     with DumpReader(good_dump) as r:
         out = subprocess.run([sys.executable, "-c", code, str(good_dump)], capture_output=True, text=True,

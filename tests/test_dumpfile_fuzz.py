@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from parity import dumpfile
-from parity.config import PRESETS
+from parity.model.config import PRESETS
 from parity.dumpfile import DumpReader, DumpWriter, validate_dump
 from parity.errors import DumpError
-from parity.points import Point
+from parity.model.points import Point
 
 POINTS = {
     Point("prefill", 0, None, "embed"): np.random.default_rng(0).standard_normal((1, 5, 8)).astype(ml_dtypes.bfloat16),

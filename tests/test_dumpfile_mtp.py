@@ -11,8 +11,8 @@ import pytest
 
 from parity.dumpfile import DumpReader, DumpWriter, seal_dump, validate_dump
 from parity.errors import DumpError
-from parity.mtp_points import MtpPoint, mtp_sites
-from parity.points import Point
+from parity.model.mtp_points import MtpPoint, mtp_sites
+from parity.model.points import Point
 from tests.test_dumpfile import make_meta
 
 MAIN = Point("prefill", 0, 3, "attention.core")
@@ -78,7 +78,7 @@ def test_writer_checks_mtp_points_and_set_meta(tmp_path):
 
 
 def test_mtp_site_list():
-    from parity.config import Ling3Config, PRESETS
+    from parity.model.config import Ling3Config, PRESETS
 
     flash = Ling3Config.from_dict(dict(PRESETS["tiny-flash"]))
     tiny = Ling3Config.from_dict(dict(PRESETS["tiny"]))

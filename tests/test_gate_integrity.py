@@ -228,7 +228,7 @@ def test_dumps_with_one_file_name_get_one_report_each_inside_the_report_dir(tmp_
 
 
 def test_dump_labels():
-    from parity.plugin import dump_labels
+    from parity.pytest_plugin.plugin import dump_labels
 
     P = Path
     assert dump_labels([P("/d/a/x.h5"), P("/d/b/y.h5")]) == ["x", "y"]

@@ -1,4 +1,4 @@
-"""The prepared GPU check (parity/gpu_check.py, tools/gpu_check.py): its plan, its stage runner (a failed stage is
+"""The prepared GPU check (parity/cli/gpu_check.py, tools/gpu_check.py): its plan, its stage runner (a failed stage is
 recorded, the stages that need it are skipped, the others still run, the budget holds) and one whole run in
 `--cpu-only` mode in a subprocess (official tiny checkpoint, stand-in dumps, CPU replay, comparison)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from parity import gpu_check as gc
+from parity.cli import gpu_check as gc
 from parity.torch_ref import official
 
 REPO = Path(__file__).resolve().parents[1]

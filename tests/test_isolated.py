@@ -2,7 +2,7 @@
 MLA + MoE layer (3), prefill (40 tokens, recurrent KDA path) and 4 decode steps.
 
 The reference's own noise in isolated mode was measured on all four golden dumps with
-`python -m parity.isolated --measure dumps/*.h5` (numbers in the report of the commit that added this file). The
+`python -m parity.replay.isolated --measure dumps/*.h5` (numbers in the report of the commit that added this file). The
 bounds asserted here are what that measurement shows for this dump under the default XLA flags, not tuned:
 projections ≤ 1 ULP *before* any floor, short conv / KDA gate / β / o_norm / MLA gate / router logits bit-exact.
 The bug tests are the point of the mode: a bug in one sub-module fails exactly that site, while every other site
@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 from parity.dumpfile import DumpReader
-from parity.points import Point
-from parity.isolated import noise_table
+from parity.model.points import Point
+from parity.replay.isolated import noise_table
 from parity.jax_ling3.weights import CheckpointReader
 from parity.numerics.tolerances import default_rules
-from parity.points import layer_graph, site_class, sites_for_config
+from parity.model.points import layer_graph, site_class, sites_for_config
 from parity.replay import Session, judge, observe_isolated
 from parity.targets.reference import ReferenceTarget
 

@@ -161,7 +161,7 @@ def test_short_conv_and_l2norm_match_numpy():
 def test_layer_prefill_then_decode_matches_full_prefill():
     """kda_attention over 70 tokens (chunked) == 64-token prefill (recurrent) + 6 one-token decode steps through the returned
     (recurrent state, conv state) — fp32, random layer params."""
-    from parity.config import Ling3Config, PRESETS
+    from parity.model.config import Ling3Config, PRESETS
     from parity.jax_ling3.spec import layer_spec
 
     cfg = Ling3Config.from_dict(PRESETS["tiny"])

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parity.config import PRESETS, Ling3Config
+from parity.model.config import PRESETS, Ling3Config
 from parity.jax_ling3.mla import init_mla_cache, mla_attention
 from parity.jax_ling3.rope import apply_rope_interleaved, cos_sin, inv_freq
 from parity.jax_ling3.spec import layer_spec

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parity.config import PRESETS, Ling3Config
+from parity.model.config import PRESETS, Ling3Config
 from parity.jax_ling3 import moe
 from parity.jax_ling3.spec import layer_spec
 from parity.jax_ling3.testing import assert_rel_close

@@ -30,7 +30,7 @@ from parity.jax_ling3 import REFERENCE_COMPILER_OPTIONS, moe
 from parity.jax_ling3.model import to_device
 from parity.jax_ling3.spec import layer_spec
 from parity.jax_ling3.weights import CheckpointReader, convert_layer
-from parity.points import Point
+from parity.model.points import Point
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = json.loads((ROOT / "dumps" / "MANIFEST.json").read_text())["dumps"]

@@ -1,5 +1,5 @@
 """The JAX MTP layer (parity.jax_ling3.mtp) vs the PyTorch MTP forward, fed the dumped inputs (embedding of the
-shifted ids, the main stack's final norm), prefill + 2 decode steps, every MTP point (parity.mtp_points).
+shifted ids, the main stack's final norm), prefill + 2 decode steps, every MTP point (parity.model.mtp_points).
 
 References: the twin remote code's MTP forward (written from the facts sheet, always available) and the official
 `modeling_bailing_moe_v3.py` (skipped with one line saying how to provide it when absent). Checkpoints: the bundled
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from parity.dumpfile import DumpReader
-from parity.mtp_points import MtpPoint, mtp_sites
-from parity.points import Point
+from parity.model.mtp_points import MtpPoint, mtp_sites
+from parity.model.points import Point
 from parity.torch_ref import official
 from parity.torch_ref.dump import DumpOptions, dump_checkpoint
 from parity.torch_ref.prompts import builtin_ids

@@ -133,7 +133,7 @@ def test_real_shaped_layer_loads_with_about_one_layer_of_memory(tmp_path):
     import ml_dtypes
     from safetensors.numpy import save_file
 
-    from parity.config import PRESETS, Ling3Config
+    from parity.model.config import PRESETS, Ling3Config
     from parity.torch_ref.ckpt import checkpoint_tensors
 
     d = dict(PRESETS["ling3-tiny"], num_hidden_layers=2, vocab_size=1024)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from parity import semantics as S
+from parity.model import semantics as S
 from parity.dumpfile import DumpReader
 from parity.torch_ref import fla_cpu
 
@@ -29,7 +29,7 @@ PROMPT_LEN = 100  # > 64: the official code runs chunk_kda
 
 @pytest.fixture(scope="module")
 def kernel_dump(tmp_path_factory) -> Path:
-    from parity.config import Ling3Config
+    from parity.model.config import Ling3Config
     from parity.torch_ref.dump import DumpOptions, dump_checkpoint
     from parity.torch_ref.prompts import builtin_ids
 

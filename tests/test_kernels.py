@@ -22,7 +22,7 @@ import torch
 from parity.dumpfile import DumpReader, seal_dump
 from parity.errors import DumpError
 from parity.provenance import NOT_RECORDED, kernels_line, markdown_section
-from parity.report import build_report, markdown, summary_text
+from parity.reporting.report import build_report, markdown, summary_text
 from parity.torch_ref import fla_cpu
 from parity.torch_ref.dump import DumpOptions, dump_checkpoint
 from parity.torch_ref.kernels import choose_cpu_kernels, fp32_matmul_policy, implementation_of

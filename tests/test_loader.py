@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parity.config import Ling3Config
+from parity.model.config import Ling3Config
 from parity.errors import CheckpointError, ParityError
 from parity.torch_ref import fla_cpu
 from parity.torch_ref import loader as L

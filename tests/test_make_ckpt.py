@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parity.config import PRESETS, Ling3Config
+from parity.model.config import PRESETS, Ling3Config
 from parity.errors import CheckpointError
 from parity.torch_ref.ckpt import checkpoint_tensors, directory_digest, main, make_checkpoint
 

@@ -29,8 +29,8 @@ import os
 import numpy as np
 import pytest
 
-from parity.points import Point
-from parity.report import first_divergence, order_key
+from parity.model.points import Point
+from parity.reporting.report import first_divergence, order_key
 from parity.targets.mutants import MUTATIONS, Mutation, MutantTarget, patched
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +46,7 @@ def _ckpt(preset: str) -> str:
 @pytest.fixture(scope="session")
 def mut_dumps(tmp_path_factory):
     """preset -> dump path, made lazily (only the presets the selected tests need)."""
-    from parity.config import Ling3Config
+    from parity.model.config import Ling3Config
     from parity.torch_ref.dump import DumpOptions, dump_checkpoint
     from parity.torch_ref.prompts import builtin_ids
 
@@ -174,7 +174,7 @@ def test_unknown_mutation_is_rejected():
 def test_mutant_layer_differs_and_reference_stays_clean():
     """A mutant's layer output differs from the reference's, and running the mutant first does not leak into the
     reference's jitted layer (same inputs, reference output identical before and after)."""
-    from parity.config import Ling3Config
+    from parity.model.config import Ling3Config
     from parity.jax_ling3.weights import CheckpointReader
     from parity.targets.reference import ReferenceTarget
 

@@ -40,7 +40,7 @@ def _failures(report: dict, n: int = 5) -> str:
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_correct_target_passes_random_seed(seed, tmp_path):
-    from parity.config import Ling3Config
+    from parity.model.config import Ling3Config
     from parity.replay import run_replay
     from parity.torch_ref.ckpt import make_checkpoint
     from parity.torch_ref.dump import DumpOptions, dump_checkpoint

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from parity.dumpfile import DumpReader
-from parity.mtp_points import MtpPoint, mtp_sites
-from parity.points import sites_for_config
+from parity.model.mtp_points import MtpPoint, mtp_sites
+from parity.model.points import sites_for_config
 from parity.torch_ref import official
 from parity.torch_ref.dump import DumpOptions, dump_checkpoint
 from parity.torch_ref.prompts import builtin_ids
@@ -181,7 +181,7 @@ def test_reference_replay_of_an_official_dump(ckpts, tmp_path):
     """Replayed with the dump's semantics (clamp ignored): 0 failed points, every MoE point compared, the MTP
     layer's points included."""
     from parity.replay import run_replay
-    from parity.semantics import reference_options
+    from parity.model.semantics import reference_options
     from parity.targets.reference import ReferenceTarget
 
     off = ckpts["tiny-flash"][0]

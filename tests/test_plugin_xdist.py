@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.xdist_groups import point_group
+from parity.pytest_plugin.xdist_groups import point_group
 
 ROOT = Path(__file__).resolve().parents[1]
 DUMP = ROOT / "dumps" / "tiny-bf16.h5"

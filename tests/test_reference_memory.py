@@ -38,7 +38,7 @@ def _layer_inputs(i: int):
 
     from parity.dumpfile import DumpReader
     from parity.jax_ling3.weights import CheckpointReader
-    from parity.points import Point
+    from parity.model.points import Point
     from parity.targets.reference import ReferenceTarget
 
     root = Path(__file__).resolve().parents[1]

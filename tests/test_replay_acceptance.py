@@ -15,7 +15,7 @@ import pytest
 from parity.dumpfile import DumpReader, seal_dump
 from parity.golden import DUMPS
 from parity.numerics.tolerances import default_rules
-from parity.points import Point
+from parity.model.points import Point
 from parity.replay import Observation, Session, Status, judge_point, run_replay
 from parity.replay.routing import routing_record
 

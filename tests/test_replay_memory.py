@@ -71,7 +71,7 @@ class _Config:
 
 
 def test_plugin_holds_one_dumps_globals_at_a_time(tmp_path):
-    from parity.plugin import DumpEntry, ParitySession
+    from parity.pytest_plugin.plugin import DumpEntry, ParitySession
 
     sess = ParitySession(_Config(tmp_path))
     a, b = (DumpEntry(DUMPS / f, f.removesuffix(".h5")) for f in ("tiny-bf16.h5", "tiny-flash-bf16.h5"))

@@ -2,9 +2,9 @@
 
 import json
 
-from parity.config import PRESETS, Ling3Config
-from parity.points import sites_for_config
-from parity.report import build_report, diff_reports, first_divergence, html_page, summary_text, write_reports
+from parity.model.config import PRESETS, Ling3Config
+from parity.model.points import sites_for_config
+from parity.reporting.report import build_report, diff_reports, first_divergence, html_page, summary_text, write_reports
 
 CFG = Ling3Config.from_dict(PRESETS["tiny"])
 

@@ -1,5 +1,5 @@
-"""The minimal reproducer (tools/repro.py, parity.repro), the reproduce commands of the terminal summary and the CI job
-summary (parity.ci_summary) — issue 25 items 3 and 4.
+"""The minimal reproducer (tools/repro.py, parity.reporting.repro), the reproduce commands of the terminal summary and the CI job
+summary (parity.pytest_plugin.ci_summary) — issue 25 items 3 and 4.
 
 A failing report is made the way a user makes one: `pytest parity` in a subprocess on the bundled tiny-bf16 dump,
 layer 0, against a catalogue mutant (`kda_a_log_not_exp`: the KDA decay rate is A_log instead of exp(A_log)) named
@@ -31,7 +31,7 @@ class Mutant(MutantTarget):
         super().__init__({MUTATION!r}, **kw)
 '''
 # the script may import parity's numerics, config and targets, but not what needs the dump or the replay
-BLOCKED = ("parity.replay", "parity.dumpfile", "parity.plugin", "h5py")
+BLOCKED = ("parity.replay", "parity.dumpfile", "parity.pytest_plugin.plugin", "h5py")
 RUN_BLOCKED = ("import runpy, sys\n"
                f"for m in {BLOCKED!r}: sys.modules[m] = None  # importing them raises ImportError\n"
                "sys.argv = sys.argv[1:]\n"
@@ -63,7 +63,7 @@ def failing(tmp_path_factory):
 
 def _expected_key() -> str:
     from parity.dumpfile import DumpReader
-    from parity.points import Point
+    from parity.model.points import Point
     from parity.targets.mutants import MUTATIONS
 
     with DumpReader(DUMP) as d:
@@ -87,7 +87,7 @@ def test_the_mutant_report_fails_where_the_bug_starts(failing):
     _, rdir, _ = failing
     rep = json.loads((rdir / "report.json").read_text())
     src = rep["first_divergence"]["source"]
-    from parity.points import Point
+    from parity.model.points import Point
 
     assert Point(src["phase"], src["step"], src["layer"], src["site"]).key() == _expected_key()
     assert Path(rep["checkpoint"]) == (ROOT / "dumps" / "ckpt" / "tiny").resolve()
@@ -154,8 +154,8 @@ def test_terminal_summary_prints_commands_that_reproduce(failing):
 
 @pytest.mark.parametrize("site", ["attention", "attention.dense", "mlp"])  # prefixes of other sites' names
 def test_the_k_expression_selects_exactly_one_site(failing, site):
-    from parity.points import Point
-    from parity.repro import pytest_command
+    from parity.model.points import Point
+    from parity.reporting.repro import pytest_command
 
     tmp, rdir, _ = failing
     rep = json.loads((rdir / "report.json").read_text())
@@ -165,7 +165,7 @@ def test_the_k_expression_selects_exactly_one_site(failing, site):
 
 def test_ci_summary_appends_the_verdict_divergences_table_and_bundle(failing):
     tmp, rdir, _ = failing
-    from parity.report import write_reports
+    from parity.reporting.report import write_reports
 
     rep = json.loads((rdir / "report.json").read_text())
     fd = rep["first_divergence"]
@@ -177,7 +177,7 @@ def test_ci_summary_appends_the_verdict_divergences_table_and_bundle(failing):
     write_reports(dict(rep, passed=True, first_divergence=None), root / "c")
     summary = tmp / "step_summary.md"
     summary.write_text("earlier step\n")
-    env_run = subprocess.run([sys.executable, "-m", "parity.ci_summary", str(root), "--bundles"], cwd=tmp,
+    env_run = subprocess.run([sys.executable, "-m", "parity.pytest_plugin.ci_summary", str(root), "--bundles"], cwd=tmp,
                              capture_output=True, text=True, env={**_env(tmp), "GITHUB_STEP_SUMMARY": str(summary)},
                              timeout=600)
     assert env_run.returncode == 0 and env_run.stdout == "", env_run.stdout + env_run.stderr
@@ -199,7 +199,7 @@ def test_ci_summary_appends_the_verdict_divergences_table_and_bundle(failing):
 
 def test_bad_input_is_one_line(failing, tmp_path):
     tmp, rdir, _ = failing
-    from parity.report import write_reports
+    from parity.reporting.report import write_reports
 
     rep = json.loads((rdir / "report.json").read_text())
     write_reports(dict(rep, passed=True, first_divergence=None), tmp_path / "ok")

@@ -121,7 +121,7 @@ def test_default_table_checks_rmsnorm_sites_only_where_fed_dumped_inputs_in_bf16
 def test_judge_fails_a_point_outside_and_passes_it_inside(tmp_path):
     """The judge applies the check where the strategy supplied it: a point whose bits differ from the dump in fewer
     rows than the exactness test could see fails on the rounding check alone, with its line in the message."""
-    from parity.points import Point
+    from parity.model.points import Point
     from parity.replay.judge import _judge
     from parity.replay.records import Observation, Status
 

@@ -1,4 +1,4 @@
-"""Semantic forks (parity.semantics): the probes read the loaded model's behaviour (not its name), the dump records
+"""Semantic forks (parity.model.semantics): the probes read the loaded model's behaviour (not its name), the dump records
 it, and the JAX reference can follow it (SwiGLU clamp switch, KDA gate / beta precision).
 
 The probes are shown to discriminate on the same model: the twin with its clamp on is `applied`, with it off
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from parity import semantics as S
+from parity.model import semantics as S
 from parity.dumpfile import DumpReader
 from parity.errors import ParityError
-from parity.points import Point
+from parity.model.points import Point
 from parity.torch_ref.dump import DumpOptions, dump_checkpoint
 from parity.torch_ref.loader import load_model
 from parity.torch_ref.prompts import builtin_ids

@@ -47,7 +47,7 @@ def test_port_gate_is_the_softplus_form_by_numpy():
     from safetensors import safe_open
 
     from parity.dumpfile import DumpReader
-    from parity.points import Point
+    from parity.model.points import Point
     from parity.targets.sglang_jax import SglangJaxTarget
 
     d = DumpReader(REPO / "dumps" / "tiny-fp32.h5")
@@ -83,7 +83,7 @@ def test_port_rmsnorm_rounds_once_where_the_reference_rounds_twice():
     elements, within every ULP rule, that no fp32 noise of the HF formula explains: the check would fail the point,
     but the point lies inside the named variant `rmsnorm-single-rounding` (issue 25): status `variant`, and `fail`
     under strict variants; numpy reproduces the dump with the HF formula and the port with its own, bit for bit."""
-    from parity.points import Point
+    from parity.model.points import Point
     from parity.replay import run_replay
     from parity.replay.session import Session
     from parity.replay.strategies import observe

@@ -211,7 +211,7 @@ def test_reference_xla_option_is_per_computation_not_process_wide():
     parity/jax_ling3/__init__.py), and importing the suite leaves XLA_FLAGS untouched."""
     code = (
         "import os, numpy as np\n"
-        "from parity.dumpfile import DumpReader\nfrom parity.points import Point\n"
+        "from parity.dumpfile import DumpReader\nfrom parity.model.points import Point\n"
         "from parity.jax_ling3.weights import CheckpointReader\nfrom parity.targets.reference import ReferenceTarget\n"
         "d = DumpReader('dumps/tiny-flash-bf16.h5'); t = ReferenceTarget(); t.build(d.config, 'bfloat16')\n"
         "t.load_layer(1, CheckpointReader('dumps/ckpt/tiny-flash').hf_tensors(1))\n"

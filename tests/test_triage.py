@@ -1,4 +1,4 @@
-"""Triage across tiers (issue 25, parity.triage): an fp32 and a bf16 dump of one checkpoint replayed in one run tell
+"""Triage across tiers (issue 25, parity.reporting.triage): an fp32 and a bf16 dump of one checkpoint replayed in one run tell
 semantic errors (fail on fp32), precision errors (pass fp32, fail bf16) and named variants apart, and the terminal
 summary leads with the first semantic error, then the first precision error, then the variants."""
 
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parity.triage import pairs, triage
+from parity.reporting.triage import pairs, triage
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -77,7 +77,7 @@ def test_an_epsilon_error_matches_no_variant(fold):
 
 
 def test_judge_reports_the_variant_and_strict_mode_fails_it():
-    from parity.points import Point
+    from parity.model.points import Point
     from parity.replay.judge import _judge
     from parity.replay.records import Observation, Status
 
@@ -155,7 +155,7 @@ def test_variant_shadow_explains_only_what_the_variant_gives(monkeypatch):
     """Downstream of the variant, a point passes only where the reference computing the variant matches the target:
     without that shadow the planted variant's layer fails downstream (what the shadow is for); a real bug beneath the
     variant still fails, with the source at the bug's site, not at the variant."""
-    from parity.config import Ling3Config
+    from parity.model.config import Ling3Config
     from parity.replay import run_replay
     from parity.replay.session import Session
     from parity.targets.mutants import PlantedFusedScaleNorm

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parity.bench import run_bench, table  # noqa: E402
+from parity.cli.bench import run_bench, table  # noqa: E402
 
 
 def cpu_list(text: str) -> list[int]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Re-render or diff ling3-parity reports (thin CLI over parity.report)."""
+"""Re-render or diff ling3-parity reports (thin CLI over parity.reporting.report)."""
 
 import sys
 from pathlib import Path

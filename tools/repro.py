@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write a minimal reproducer bundle of a report's first divergence (thin CLI over parity.repro)."""
+"""Write a minimal reproducer bundle of a report's first divergence (thin CLI over parity.reporting.repro)."""
 
 import sys
 from pathlib import Path

@@ -27,7 +27,7 @@ import numpy as np
 from parity.calibration.noise import point_noise
 from parity.numerics.compare import compare, comparison_grid
 from parity.numerics.tolerances import ToleranceRule
-from parity.points import site_class
+from parity.model.points import site_class
 
 Log = Callable[[str], None]
 NOCLAMP = "tiny-flash-noclamp"  # tiny-flash without SwiGLU clamp: the built-in bailing_hybrid has none
@@ -140,7 +140,7 @@ def measure_replay(dump_path: Path, ckpt_dir: Path, mode: str, corpus_id: str, o
     for a benign routing flip, the run forced to the reference's experts)."""
     from parity.numerics.tolerances import default_rules
     from parity.replay import Session, replay_records
-    from parity.report import build_report, order_key
+    from parity.reporting.report import build_report, order_key
 
     records = []
     with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=default_rules()) as ses:

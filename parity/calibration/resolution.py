@@ -104,7 +104,7 @@ def collect(dump: Any, mode: str) -> tuple[dict[str, list], int, str]:
     """{site class: [(ref, test, rule), ...]} of one replay of `dump` by the reference target in `mode`; the number of
     pairs left out because they fail unplanted; the compute dtype. The layer's `input` (fed, not computed) and exact
     (integer) tensors are left out."""
-    from parity.points import site_class
+    from parity.model.points import site_class
     from parity.replay import Session, observe, observe_free, observe_model_points
 
     by_class: dict[str, list] = {}

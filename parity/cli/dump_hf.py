@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.errors import ParityError
-from parity.points import parse_layers
+from parity.model.points import parse_layers
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,7 +42,7 @@ def _int_at_least(lo: int):
 
 def check_sites(patterns: list[str], cfg, layers: list[int]) -> None:
     """Every --sites pattern must match a canonical site of the dumped layers (or a model-level site)."""
-    from parity.points import MODEL_SITES_AFTER, MODEL_SITES_BEFORE, sites_for_config
+    from parity.model.points import MODEL_SITES_AFTER, MODEL_SITES_BEFORE, sites_for_config
 
     universe = list(MODEL_SITES_BEFORE + MODEL_SITES_AFTER)
     for i in layers:
@@ -53,7 +53,7 @@ def check_sites(patterns: list[str], cfg, layers: list[int]) -> None:
                               "'attention.*,mlp'")
         if not any(fnmatch.fnmatchcase(s, p) for s in universe):
             raise ParityError(f"--sites: pattern {p!r} matches no site of the dumped layers; expected glob patterns "
-                              f"over the canonical site names ({', '.join(universe[:6])}, ... see parity/points.py)")
+                              f"over the canonical site names ({', '.join(universe[:6])}, ... see parity/model/points.py)")
 
 
 def parse_ids(text: str) -> list[int]:
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ckpt is None or args.out is None:
         parser.error("the checkpoint directory and --out are required (or --inspect DUMP)")
     try:
-        from parity.config import Ling3Config
+        from parity.model.config import Ling3Config
         from parity.dumpfile import check_output_path, clean_stale_temp_files
 
         # everything that can be refused is refused before the model loads (seconds to minutes)
@@ -306,7 +306,7 @@ def _print_summary(summary) -> None:
     if summary.unavailable:
         print(f"  {len(summary.unavailable)} point(s) unavailable in this runtime (recorded in the file)")
     if summary.semantics is not None:
-        from parity.semantics import summarize
+        from parity.model.semantics import summarize
 
         print(f"  {summarize(summary.semantics)}")
 

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("bf16")
     t.add_argument("--write", action="store_true", help="store the triage in both reports and re-render them")
     args = p.parse_args(argv)
-    from parity.report import diff_reports, load_report, summary_text, write_reports
+    from parity.reporting.report import diff_reports, load_report, summary_text, write_reports
 
     try:
         if args.cmd == "show":
@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 def _triage(args) -> int:
     from pathlib import Path
 
-    from parity.report import load_report, triage_lines, write_reports
-    from parity.triage import pair_key, triage
+    from parity.reporting.report import load_report, triage_lines, write_reports
+    from parity.reporting.triage import pair_key, triage
 
     a, b = load_report(args.fp32), load_report(args.bf16)
     for path, rep, want in ((args.fp32, a, "float32"), (args.bf16, b, "bfloat16")):

@@ -1,4 +1,4 @@
-"""`tools/repro.py REPORT_DIR [--point P]`: a minimal reproducer bundle of a report's first divergence (parity.repro).
+"""`tools/repro.py REPORT_DIR [--point P]`: a minimal reproducer bundle of a report's first divergence (parity.reporting.repro).
 
     tools/repro.py reports/tiny-bf16                        # the first divergence's source -> reports/tiny-bf16/repro
     tools/repro.py reports/tiny-bf16 --point decode/S001/L03/attention.core --out /tmp/b
@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dump", help="the dump, where the report's path does not resolve here")
     p.add_argument("--ckpt", help="the checkpoint directory, where the report's does not resolve here")
     a = p.parse_args(argv)
-    from parity.repro import make_bundle
-    from parity.report import load_report
+    from parity.reporting.repro import make_bundle
+    from parity.reporting.report import load_report
 
     try:
         rep = load_report(a.report)

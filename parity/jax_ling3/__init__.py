@@ -7,7 +7,7 @@ precision), `testing` (comparison helpers of the tests). The DESIGN §7 target o
 `parity.targets.reference`.
 
 Every numerical function is pure: `(params, inputs, statics) -> (output, points)` (stateful ones also return their new
-state), where `points` maps canonical site names (`parity.points`) to arrays in canonical shapes.
+state), where `points` maps canonical site names (`parity.model.points`) to arrays in canonical shapes.
 
 Every jitted function here is compiled with `REFERENCE_COMPILER_OPTIONS` (the reference's own XLA options, set
 per computation, not process-wide). Importing this package turns on JAX's persistent compilation cache (jit compile

@@ -115,7 +115,7 @@ def kda_chunked(q, k, v, g, beta, scale: float, initial_state=None, chunk: int =
     over a chunk (g ≥ −5 per step, 64 steps).
 
     `inter_dtype` "bfloat16" rounds the intermediates fla's chunked kernels store in the input dtype (a semantic fork,
-    `parity.semantics` `kda_chunk_precision`; the list with file:line is in `parity.torch_ref.fla_cpu`): see
+    `parity.model.semantics` `kda_chunk_precision`; the list with file:line is in `parity.torch_ref.fla_cpu`): see
     `_chunk_step_rounded`. "float32" (default) keeps everything fp32."""
     if inter_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"kda_chunked: inter_dtype {inter_dtype!r}: expected 'float32' or 'bfloat16'")
@@ -220,7 +220,7 @@ KERNELS = {"naive": kda_naive, "recurrent": kda_recurrent, "chunked": kda_chunke
 
 def chunk_options(mode: str, spec: LayerSpec) -> dict:
     """Extra keyword arguments of `KERNELS[mode]`: the chunk kernel's intermediate precision where the spec departs
-    from fp32 (a semantic fork, parity.semantics); none otherwise, so a kernel wrapped with the plain signature
+    from fp32 (a semantic fork, parity.model.semantics); none otherwise, so a kernel wrapped with the plain signature
     (the mutation catalogue's) keeps working on the default path."""
     if mode == "chunked" and spec.kda_chunk_dtype != "float32":
         return {"inter_dtype": spec.kda_chunk_dtype}
@@ -258,7 +258,7 @@ def kda_attention(p: dict, x: jnp.ndarray, spec: LayerSpec, state: tuple | None 
     a = linear(x, p["f_proj"])
     pts["attention.f_proj"] = a
     g = kda_gate(a.reshape(B, T, H, d), p["A_log"], p["dt_bias"], m.lower_bound)  # fp32 (ORC §5)
-    g = _at_precision(g, spec.kda_gate_dtype)  # the built-in's bf16 rounding, on request (parity.semantics)
+    g = _at_precision(g, spec.kda_gate_dtype)  # the built-in's bf16 rounding, on request (parity.model.semantics)
     pts["attention.gate"] = g
     b = linear(x, p["b_proj"])
     pts["attention.b_proj"] = b

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from parity.config import MLA_NORM_EPS as CONFIG_MLA_NORM_EPS
+from parity.model.config import MLA_NORM_EPS as CONFIG_MLA_NORM_EPS
 from parity.jax_ling3.norms import rms_norm
 from parity.jax_ling3.ops import dot_f32, linear
 from parity.jax_ling3.rope import apply_rope_interleaved, cos_sin

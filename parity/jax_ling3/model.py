@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from parity.config import Ling3Config
+from parity.model.config import Ling3Config
 from parity.jax_ling3 import REFERENCE_COMPILER_OPTIONS
 from parity.jax_ling3.layer import decoder_layer_jit
 from parity.jax_ling3.mla import init_mla_cache
@@ -59,7 +59,7 @@ class Ling3Model:
     decode step; True keeps them resident (faster decode on small models).
     clamp=False drops the SwiGLU clamp (to compare with runtimes without it, facts §10.1); kda_gate_dtype /
     kda_beta_dtype / kda_chunk_dtype follow a runtime's KDA gate / beta / chunk-kernel precision
-    (parity.semantics.reference_options)."""
+    (parity.model.semantics.reference_options)."""
 
     reader: Any
     dtype: str = "float32"

@@ -185,7 +185,7 @@ def routed_experts(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, li
 
 def moe_block(p: dict, x: jnp.ndarray, spec: LayerSpec, forced_idx=None):
     """MoE block on the post-attention-normed x [B,T,D]. Returns (y, points). Points' top-k are in canonical order
-    (ascending expert id per token, weights permuted alike — only the set carries meaning, parity.points)."""
+    (ascending expert id per token, weights permuted alike — only the set carries meaning, parity.model.points)."""
     m = spec.model
     B, T, D = x.shape
     logits, idx, w = route(x, p["router"], p["expert_bias"], m, forced_idx)

@@ -1,4 +1,4 @@
-"""The MTP (multi-token prediction) layer (facts §2; points of `parity.mtp_points`), pure functions.
+"""The MTP (multi-token prediction) layer (facts §2; points of `parity.model.mtp_points`), pure functions.
 
     ids'  = ids shifted left by one, last position 0          (`shift_ids`)
     e     = enorm(embed(ids'))       h = hnorm(hidden)           (hidden: the main stack after model.norm, or the

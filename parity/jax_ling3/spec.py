@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import jax.numpy as jnp
 
-from parity.config import Ling3Config
+from parity.model.config import Ling3Config
 from parity.errors import ConfigError
 
 DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32}
@@ -81,11 +81,11 @@ class LayerSpec:
     shared_limit: float | None = None
     kda_mode: str = "auto"  # "auto" (official: recurrent if T <= 64 else chunked, §3.10) | "chunked" | "recurrent"
     mla_absorbed: bool = True  # MLA over a latent cache: absorbed form (§4.5) instead of expanding K/V
-    # Precision of the KDA forget gate / beta as they enter the recurrence (a semantic fork, parity.semantics):
+    # Precision of the KDA forget gate / beta as they enter the recurrence (a semantic fork, parity.model.semantics):
     # "float32" (official file, intended) or "bfloat16" (transformers' built-in rounds both to the model dtype, ORC §5)
     kda_gate_dtype: str = "float32"
     kda_beta_dtype: str = "float32"
-    # Precision of the KDA chunk kernel's intermediates (a semantic fork, parity.semantics): "float32" (intended) or
+    # Precision of the KDA chunk kernel's intermediates (a semantic fork, parity.model.semantics): "float32" (intended) or
     # "bfloat16" (fla's chunked Triton kernels in a bf16 run round them, parity.torch_ref.fla_cpu's list)
     kda_chunk_dtype: str = "float32"
 
@@ -124,7 +124,7 @@ def layer_spec(cfg: Ling3Config, i: int, dtype: str, *, clamp: bool = True, kda_
     """Statics of layer i (i ≥ num_hidden_layers: an MTP layer, MLA + MoE without clamp, facts §2, §5.7).
     `clamp=False` drops the SwiGLU clamp (to follow runtimes that ignore it, facts §10.1); `kda_gate_dtype` /
     `kda_beta_dtype` "bfloat16" round the KDA gate / beta as transformers' built-in does, `kda_chunk_dtype`
-    "bfloat16" the chunk kernel's intermediates as fla's chunked kernels do in bf16 (parity.semantics)."""
+    "bfloat16" the chunk kernel's intermediates as fla's chunked kernels do in bf16 (parity.model.semantics)."""
     if kda_mode not in ("auto", "chunked", "recurrent"):
         raise ConfigError(f"kda_mode {kda_mode!r}: expected 'auto', 'chunked' or 'recurrent'")
     for name, v in (("kda_gate_dtype", kda_gate_dtype), ("kda_beta_dtype", kda_beta_dtype),

@@ -34,7 +34,7 @@ import ml_dtypes  # noqa: F401  (must be imported before safe_open(framework="nu
 import numpy as np
 from safetensors import safe_open
 
-from parity.config import LING3_ARCHITECTURE, Ling3Config
+from parity.model.config import LING3_ARCHITECTURE, Ling3Config
 from parity.errors import CheckpointError, ConfigError
 
 BUILTIN_ARCHITECTURE = "BailingHybridForCausalLM"

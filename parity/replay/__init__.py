@@ -42,30 +42,30 @@ def replay_records(session: Session, layers=None, progress: Callable[[str], None
 def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", rules=None,
                layers=None, progress: Callable[[str], None] | None = None, mesh=None,
                stall_timeout: float | None = None, semantics: str = "dump", strict_variants: bool = False) -> dict:
-    """Programmatic replay of a whole dump: returns the report dict (`parity.report.build_report`).
+    """Programmatic replay of a whole dump: returns the report dict (`parity.reporting.report.build_report`).
 
     ckpt_dir defaults to the bundled checkpoint with the dump's fingerprint; target defaults to the reference target
     (a name, class or built instance); rules to the default tolerance table; mesh (a jax Mesh or a `--parity-mesh`
     string such as "4x2") is handed to the target's build; stall_timeout (seconds, default
     `watchdog.DEFAULT_LIMIT_S`; 0 = none) bounds every target call (`parity.replay.watchdog`); semantics ("dump" or
     "intended", `--parity-semantics`) is the behaviour on the semantic forks a reference the replay constructs
-    follows (parity/semantics.py); strict_variants (`--parity-strict-variants`) fails a point that matches a named
+    follows (parity/model/semantics.py); strict_variants (`--parity-strict-variants`) fails a point that matches a named
     implementation variant (parity.numerics.variants) instead of reporting it as `variant`. `pytest parity` does the
     same thing point by point.
     """
     from parity.replay.watchdog import DEFAULT_LIMIT_S, Watchdog
 
-    from parity.report import build_report
+    from parity.reporting.report import build_report
 
     wd = Watchdog(DEFAULT_LIMIT_S if stall_timeout is None else stall_timeout)
-    from parity.semantics import report_section
+    from parity.model.semantics import report_section
 
     try:
         with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=rules, mesh=mesh,
                           layers=None if layers is None else list(layers), watchdog=wd, semantics=semantics,
                           strict_variants=strict_variants) as s:
             records = [r.to_json() for r in replay_records(s, layers, progress)]
-            from parity.repro import run_context
+            from parity.reporting.repro import run_context
 
             # `target` is the display name here (a Target instance has no command-line spelling): `target_class` is
             # what tools/repro.py builds; a rules object is not recorded (`tolerances.custom`: the repro uses the

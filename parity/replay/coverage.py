@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from parity.points import MODEL_SITES_AFTER, MODEL_SITES_BEFORE, Point, sites_for_config
+from parity.model.points import MODEL_SITES_AFTER, MODEL_SITES_BEFORE, Point, sites_for_config
 
 MODEL_SITES = MODEL_SITES_BEFORE + MODEL_SITES_AFTER
 
@@ -100,10 +100,10 @@ def owed_points(dump, layers: set[int] | None = None) -> list[Owed]:
 
 
 def _owed_mtp(dump, made: list[int], sites_f: list[str], layers: set[int] | None) -> list[Owed]:
-    """The MTP layers' points (`Point(phase, step, None, "MTP{j}/<site>")`, parity.points.mtp_site): every site of
+    """The MTP layers' points (`Point(phase, step, None, "MTP{j}/<site>")`, parity.model.points.mtp_site): every site of
     every MTP layer at every step. The dumper captures them only when every main layer is dumped (parity.torch_ref.
     dump); a `--parity-layers` selection does not name them, so it leaves them untested."""
-    from parity.mtp_points import mtp_sites
+    from parity.model.mtp_points import mtp_sites
 
     cfg = dump.config
     n = int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)

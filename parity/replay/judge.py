@@ -9,7 +9,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from parity.numerics.variants import HF_RMSNORM
-from parity.points import Point, mtp_site
+from parity.model.points import Point, mtp_site
 from parity.replay.records import Observation, PointRecord, Status, skipped
 from parity.replay.routing import routing_record, shape_mismatch
 from parity.replay.strategies import ROUTER_DOWNSTREAM

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import numpy as np
 
-from parity.points import Point, sites_for_config
+from parity.model.points import Point, sites_for_config
 from parity.replay.records import Observation
 from parity.replay.session import Session
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.points import Point
+from parity.model.points import Point
 
 
 class Status(str, enum.Enum):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from parity.points import Point
+from parity.model.points import Point
 from parity.replay.records import PointRecord, Status
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from parity.errors import DumpError, ParityError, TargetError
-from parity.points import Point
+from parity.model.points import Point
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,16 +103,16 @@ class Session:
             self.watchdog = Watchdog()
         self._shadows: dict[str, Any] = {}
 
-    # -------------------------------------------------------------- semantic forks (parity/semantics.py)
+    # -------------------------------------------------------------- semantic forks (parity/model/semantics.py)
     def departures(self) -> list[dict]:
         """Forks where the dump's runtime departs from the model's intended behaviour."""
-        from parity.semantics import departures
+        from parity.model.semantics import departures
 
         return departures(self.dump.semantics)
 
     def fork_options(self, which: str) -> dict:
         """Reference options reproducing the dump's semantics (`which`="dump") or the intended ones."""
-        from parity.semantics import reference_options
+        from parity.model.semantics import reference_options
 
         return reference_options(self.dump.semantics, intended=which == "intended")
 
@@ -181,7 +181,7 @@ class Session:
             if getattr(tgt, "follows_semantics", False) and not _is_instance_given(target):
                 # a reference the replay constructs follows the dump's semantics (or the intended ones); an instance
                 # the caller built keeps its own settings
-                from parity.semantics import reference_options
+                from parity.model.semantics import reference_options
 
                 tgt.use_semantics(**reference_options(reader.semantics, intended=semantics == "intended"))
             dtype = reader.meta.get("compute_dtype", "bfloat16")
@@ -317,7 +317,7 @@ def prepare(dump, ckpt_dir=None, *, target=None, mode: str = "layer"):
 
 
 def dump_identity(reader) -> dict:
-    """Report keys that tell which dumps can be triaged together (parity.triage): the checkpoint fingerprint and the
+    """Report keys that tell which dumps can be triaged together (parity.reporting.triage): the checkpoint fingerprint and the
     dump's compute dtype."""
     return {"checkpoint_fingerprint": reader.meta.get("checkpoint_fingerprint"),
             "dump_dtype": reader.meta.get("compute_dtype")}

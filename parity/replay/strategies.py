@@ -7,7 +7,7 @@ dump's array, the target's array and where it came from. They know nothing of to
 - `forced`: like `layer`, with the MoE run on the reference's expert ids, so expert maths is compared even where
   routing flipped.
 - `free`: the target runs from the dump's token ids through every layer (error growth).
-- `isolated`: every sub-module fed its own dumped inputs, as the site graph (`parity.points.SITE_GRAPH`) lists them:
+- `isolated`: every sub-module fed its own dumped inputs, as the site graph (`parity.model.points.SITE_GRAPH`) lists them:
   a decode step also gets the dumped state of earlier steps (`Site.carry`: the previous step's KDA recurrent / conv
   state; `Site.history`: MLA's expanded K/V of every earlier token); sites that are another site's tensor
   (`Site.alias`) are skipped with that reason, never compared against themselves.
@@ -24,8 +24,8 @@ from typing import Iterator
 
 import numpy as np
 
-from parity.config import MLA_NORM_EPS
-from parity.points import Point, layer_graph, mtp_site, sites_for_config
+from parity.model.config import MLA_NORM_EPS
+from parity.model.points import Point, layer_graph, mtp_site, sites_for_config
 from parity.replay.records import Observation
 from parity.replay.session import Session
 
@@ -442,7 +442,7 @@ def mtp_units(s: Session) -> list[str]:
 
 
 def _mtp_sites(s: Session) -> tuple[str, ...]:
-    from parity.mtp_points import mtp_sites
+    from parity.model.mtp_points import mtp_sites
 
     return mtp_sites(s.config, recorded_inputs=True)
 

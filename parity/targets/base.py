@@ -3,7 +3,7 @@
 A target is the JAX implementation under test. The suite's own pure-JAX Ling3 is `reference`; external ports
 (sglang-jax, MaxText) plug in as import-guarded adapters. A target takes **HF checkpoint names and shapes** per layer
 (it owns its conversion), runs one decoder layer at a time, and returns the canonical points it produces
-(`parity.points`), in the canonical shapes (`parity.points.canonical_shape`).
+(`parity.model.points`), in the canonical shapes (`parity.model.points.canonical_shape`).
 """
 
 from __future__ import annotations
@@ -88,11 +88,11 @@ class Target(abc.ABC):
                   ) -> np.ndarray | None:
         """Isolated replay (DESIGN §6, capability `isolated`): compute the one site `site` of layer i from the
         *dumped* tensors it is fed, and nothing else. Returns the site's tensor in its canonical shape
-        (`parity.points.canonical_shape`, else the natural [B,T,...] shape), or None when the target cannot compute
+        (`parity.model.points.canonical_shape`, else the natural [B,T,...] shape), or None when the target cannot compute
         this site in isolation (the replay then records it as skipped, with this target's name in the reason).
 
         `inputs` maps canonical site names to the dumped tensors of the same phase/step, in the dump's dtypes, as
-        listed per site by the site graph (`parity.points.SITE_GRAPH`, `Site.inputs`) — e.g. `attention.o_proj` gets
+        listed per site by the site graph (`parity.model.points.SITE_GRAPH`, `Site.inputs`) — e.g. `attention.o_proj` gets
         {"attention.o_norm"}, `attention.core` (KDA) gets the q/k/v conv outputs, `attention.gate`,
         `attention.beta`, `attention.state` the same without q (the state update reads none); MLA `attention.core` gets
         its q, `kv_b_proj`, `kv_a_proj_with_mqa` and "positions" (int [T], absolute RoPE positions of
@@ -104,7 +104,7 @@ class Target(abc.ABC):
         return None
 
     # ------------------------------------------------------------------ MTP layers (capability `mtp`)
-    # The MTP layer j (checkpoint layer N+j, facts §2; points `/prefill/MTP{j}/<site>`, parity.mtp_points) as the
+    # The MTP layer j (checkpoint layer N+j, facts §2; points `/prefill/MTP{j}/<site>`, parity.model.mtp_points) as the
     # official forward runs it after the main stack. A target without the capability has its MTP points skipped.
     def load_mtp(self, j: int, hf_tensors: dict[str, np.ndarray]) -> None:
         """All `model.layers.{N+j}.*` tensors under their HF names (enorm, hnorm, eh_proj, final_layernorm and the
@@ -123,7 +123,7 @@ class Target(abc.ABC):
                     state: Any = None, forced_topk: np.ndarray | None = None) -> LayerResult:
         """MTP layer j on `embedded` (its input embedding, [B,T,D]) and `hidden` (the main stack's output after
         model.norm, [B,T,D]) at absolute `positions`; `state` its own KV state from the previous call (None: start).
-        Points: the MTP sites of `parity.mtp_points` but `embed` / `logits`; output: the final_layernorm output."""
+        Points: the MTP sites of `parity.model.mtp_points` but `embed` / `logits`; output: the final_layernorm output."""
         raise NotImplementedError(f"target {self.name} has no MTP layer (capability `mtp`)")
 
     def mtp_head(self, out: np.ndarray) -> np.ndarray:

@@ -110,7 +110,7 @@ class ReferenceTarget(Target):
                           mla_absorbed=self.mla_absorbed, kda_gate_dtype=self.kda_gate_dtype,
                           kda_beta_dtype=self.kda_beta_dtype, kda_chunk_dtype=self.kda_chunk_dtype)
 
-    # The semantic forks (parity/semantics.py) this instance follows: the replay sets them from the dump's recorded
+    # The semantic forks (parity/model/semantics.py) this instance follows: the replay sets them from the dump's recorded
     # semantics (or the intended ones) on a reference it constructs itself.
     follows_semantics = True
 
@@ -447,7 +447,7 @@ def _topk_idx(p, x, st, spec):
     from parity.jax_ling3.moe import select_experts
 
     idx = select_experts(x["mlp.gate.logits"].astype(jnp.float32), p["mlp"]["expert_bias"], spec.model)
-    return jnp.sort(idx, axis=-1)  # canonical order: ascending expert id (parity.points)
+    return jnp.sort(idx, axis=-1)  # canonical order: ascending expert id (parity.model.points)
 
 
 def _topk_weight(p, x, st, spec):
@@ -508,7 +508,7 @@ def _mla_gate(p, x, st, spec):
 
 
 # (layer kind | "*", site) -> fn(p, x, st, spec). Sites with no computation of their own (`input`; `attention`, which
-# *is* the o_proj/dense output; a dense layer's `mlp`, which is `mlp.down_proj`) are absent: see `Site.alias` in parity.points.
+# *is* the o_proj/dense output; a dense layer's `mlp`, which is `mlp.down_proj`) are absent: see `Site.alias` in parity.model.points.
 ISOLATED_SITES = {
     ("*", "input_layernorm"): _norm("input", "input_layernorm"),
     **{("kda", f"attention.{n}"): _lin("input_layernorm", n) for n in

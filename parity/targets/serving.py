@@ -5,7 +5,7 @@ Serving ports (sglang-jax, tpu-inference) do not take a `[B, T, D]` batch: they 
 (slot 0 reserved as a dummy that padding rows write into), and keep the attention KV cache **paged** with a
 token-to-slot mapping (location 0 reserved alike). `PackedBatch` builds those index arrays for the dump's `B`
 sequences and maps the port's packed tensors back to the dump's `[B, T, ...]`; `canonical_topk` puts top-k ids in
-the dump's order (ascending expert id, weights permuted alike, `parity.points`).
+the dump's order (ascending expert id, weights permuted alike, `parity.model.points`).
 """
 
 from __future__ import annotations
@@ -88,10 +88,10 @@ class PackedBatch:
 
 
 def to_canonical(cfg, layer: int, points: dict, batch: int, seq: int) -> dict:
-    """Reshape a port's per-site arrays to the dump's canonical shapes (`parity.points.canonical_shape`, e.g. a KDA
+    """Reshape a port's per-site arrays to the dump's canonical shapes (`parity.model.points.canonical_shape`, e.g. a KDA
     core [B,T,H*d] -> [B,T,H,d]) where only the layout differs (same size); anything else is left for the judge to
     report as a shape mismatch."""
-    from parity.points import canonical_shape
+    from parity.model.points import canonical_shape
 
     out = {}
     for site, v in points.items():

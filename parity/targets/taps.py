@@ -2,7 +2,7 @@
 
 The JAX mirror of `parity.torch_ref.capture`: a **declarative map** from the port's module paths (flax nnx modules,
 relative to the layer object) or functions (``package.module:name`` / ``package.module:Class.method``) to
-canonical sites (`parity.points`), each with the value it takes (``out``, ``out[0]``, ``in[b]``, …), which call it
+canonical sites (`parity.model.points`), each with the value it takes (``out``, ``out[0]``, ``in[b]``, …), which call it
 means when the same module / function runs several times in one layer (``call``), and an optional declared
 `Transform` for a point the port computes in another form (router *scores* instead of logits, a chunk-local
 cumulative gate instead of the per-token gate, a state pool instead of one sequence's state).

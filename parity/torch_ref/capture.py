@@ -4,7 +4,7 @@ Each runtime names its modules differently (DESIGN §3): the official file and t
 (`model.layers.{i}.attention.q_proj`), transformers' built-in `bailing_hybrid` renames (`.self_attn.`, `o_proj` for
 MLA `dense`, one merged `conv1d`, a `forget_gate` module, a flat `[B*T, ...]` router). A map is a list of `TapSpec`s;
 `Capture` registers one forward hook per matching module and hands every captured tensor, reshaped to the canonical
-shape (`parity.points.canonical_shape`), to a sink. Hooks only read: they never change a tensor (a test checks that
+shape (`parity.model.points.canonical_shape`), to a sink. Hooks only read: they never change a tensor (a test checks that
 logits with and without capture are bit-identical).
 
 Three ways to read a tensor, all declared in the maps:
@@ -20,7 +20,7 @@ does expose, recomputed from that tensor as the runtime's own code does (the off
 real kernels); the dataset's `module` attr names the transform.
 
 MTP layers (`model.layers.{N+j}`, run by the official forward after the main stack) are captured into their own
-points (`parity.mtp_points.MtpPoint`, group `MTP{j}`): per-layer specs apply to them unless `scope="main"`, specs with
+points (`parity.model.mtp_points.MtpPoint`, group `MTP{j}`): per-layer specs apply to them unless `scope="main"`, specs with
 `scope="mtp"` exist only there, and model-level specs with `mtp_calls` (the embedding and the LM head, which the
 official forward calls again for each MTP layer) attribute their (1+j)-th call in a forward to MTP layer j.
 """
@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from parity.errors import ParityError
-from parity.mtp_points import MtpPoint, mtp_sites
-from parity.points import Point, canonical_shape, sites_for_config
+from parity.model.mtp_points import MtpPoint, mtp_sites
+from parity.model.points import Point, canonical_shape, sites_for_config
 
 
 @dataclass(frozen=True)

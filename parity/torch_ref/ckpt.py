@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.config import PRESETS, Ling3Config
+from parity.model.config import PRESETS, Ling3Config
 from parity.errors import CheckpointError, ConfigError, ParityError
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3

@@ -22,10 +22,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from parity.config import Ling3Config
+from parity.model.config import Ling3Config
 from parity.errors import ParityError
-from parity.mtp_points import mtp_group
-from parity.points import Point
+from parity.model.mtp_points import mtp_group
+from parity.model.points import Point
 from parity.torch_ref import fla_cpu
 from parity.torch_ref.capture import Capture, runtime_map_name, to_numpy
 from parity.torch_ref.kernels import KernelObserver, fp32_matmul_policy, kernels_record
@@ -56,7 +56,7 @@ class DumpOptions:
     compression: str = "lzf"  # dumpfile.COMPRESSIONS: "lzf" (default) or "none" (cheaper writes, ~15 % bigger)
     # runtime "remote" runs the checkpoint's own Python files only if True, or if they are the suite's twin
     trust_remote_code: bool = False
-    # MTP layers (group MTP{j}, parity.mtp_points): None = captured when every main layer is dumped (no --layers)
+    # MTP layers (group MTP{j}, parity.model.mtp_points): None = captured when every main layer is dumped (no --layers)
     mtp: bool | None = None
     semantics_probe: bool = True  # probe the semantic forks (parity.torch_ref.semantics) into the `semantics` attr
     # how the fla stand-ins' chunk_kda rounds its intermediates: "fp32" (the maths) or "kernel" (fla's chunked bf16
@@ -75,7 +75,7 @@ class DumpSummary:
     unavailable: dict = field(default_factory=dict)
     seconds_write: float = 0.0  # of seconds_forward: inside the HDF5 writer (compression, I/O, final flush + seal)
     array_bytes: int = 0  # uncompressed bytes of the arrays written (0 for --stats-only)
-    semantics: dict | None = None  # the `semantics` root attr (parity.semantics), None when not probed
+    semantics: dict | None = None  # the `semantics` root attr (parity.model.semantics), None when not probed
     kernels: dict | None = None  # the `kernels` root attr (parity.torch_ref.kernels.kernels_record)
 
 

@@ -38,7 +38,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # never reach the hub (DESIGN: offline); als
 
 import torch  # noqa: E402
 
-from parity.config import Ling3Config  # noqa: E402
+from parity.model.config import Ling3Config  # noqa: E402
 from parity.errors import CheckpointError, ConfigError, ParityError  # noqa: E402
 
 RUNTIMES = ("remote", "native")

@@ -1,4 +1,4 @@
-"""Probe a loaded PyTorch Ling3 model for its behaviour on the semantic forks of `parity.semantics` — measured on the
+"""Probe a loaded PyTorch Ling3 model for its behaviour on the semantic forks of `parity.model.semantics` — measured on the
 model, never assumed from its class name.
 
 SwiGLU clamp: one routed expert (of a layer whose `expert_swiglu_limit_list` entry is set) and the shared expert (of a
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from parity.semantics import SEMANTICS_VERSION, departures
+from parity.model.semantics import SEMANTICS_VERSION, departures
 
 KDA_ENTRY_POINTS = ("chunk_kda", "fused_recurrent_kda", "chunk_kimi_delta_attention",
                     "recurrent_kimi_delta_attention", "kda_recurrent", "kda_chunked")
@@ -258,7 +258,7 @@ def observed_chunk_precision(sem: dict, impl: str, compute_dtype: torch.dtype) -
 
 
 def probe(model, cfg, input_ids: torch.Tensor) -> dict:
-    """The `semantics` root attr of a dump (parity.semantics): every fork's value, how it was measured, and the
+    """The `semantics` root attr of a dump (parity.model.semantics): every fork's value, how it was measured, and the
     forks where it departs from the intended behaviour."""
     clamp = probe_clamp(model, cfg)
     kda = probe_kda(model, cfg, input_ids)

@@ -14,7 +14,7 @@ under a debugger, without the dump, the checkpoint directory or the replay machi
   converts the whole layer), in its checkpoint dtype.
 - `bundle.json`: the point, repro mode, target class path, semantic options, compute dtype, the model config, the
   tolerance rule of the point in that mode, the commands that produced the failure.
-- `repro.py`: `parity/repro_script.py` copied: builds the target, runs that sub-module / that layer, compares with
+- `repro.py`: `parity/reporting/repro_script.py` copied: builds the target, runs that sub-module / that layer, compares with
   `parity.numerics.compare.compare` and prints one line; exit 1 on a mismatch, 0 on a match, 2 when it cannot run.
 - `README.txt`: the commands, the point, what is inside.
 """
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from parity.errors import ParityError
-from parity.points import Point, layer_graph, mtp_site
+from parity.model.points import Point, layer_graph, mtp_site
 
 BUNDLE_KIND = "ling3-parity-repro"
 BUNDLE_VERSION = 1
@@ -246,7 +246,7 @@ def make_bundle(report: dict, out_dir: str | Path, *, point: str | None = None, 
     `target`, `dump`, `ckpt` override the report's; `mode` is auto | isolated | layer."""
     from parity.dumpfile import DumpReader
     from parity.replay.session import check_checkpoint, find_checkpoint
-    from parity.semantics import reference_options
+    from parity.model.semantics import reference_options
     from parity.targets import resolve
 
     pt = choose_point(report, point)

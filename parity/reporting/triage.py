@@ -4,14 +4,14 @@ fails bf16 beyond the named variants: the target keeps less precision than the r
 *variants* (parity.numerics.variants). A port engineer fixes the first semantic error first, then the first precision
 error; variants are listed, not failed.
 
-Pure functions over report dicts (`parity.report.build_report`); the pytest plugin pairs the reports of one run by
+Pure functions over report dicts (`parity.reporting.report.build_report`); the pytest plugin pairs the reports of one run by
 checkpoint fingerprint, target and mode, and `tools/report.py triage FP32_REPORT BF16_REPORT` does it afterwards.
-`parity.report` renders the result (terminal lines, report.md section).
+`parity.reporting.report` renders the result (terminal lines, report.md section).
 """
 
 from __future__ import annotations
 
-from parity.report import _loc_site
+from parity.reporting.report import _loc_site
 
 SEMANTIC, PRECISION, VARIANT = "semantic", "precision", "variant"
 

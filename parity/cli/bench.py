@@ -1,6 +1,6 @@
 """Benchmarks of DESIGN §9: JAX layer replay vs the PyTorch twin layer, dump overhead, HDF5 write rate, peak RSS.
 
-Every measurement runs in a fresh child process (`python -m parity.bench <role> <json args>`), so "cold" really is a
+Every measurement runs in a fresh child process (`python -m parity.cli.bench <role> <json args>`), so "cold" really is a
 first call in a new process (jit compile included), the persistent compilation cache can be empty or warm on
 purpose (`LING3_JAX_CACHE`), and peak RSS (`ru_maxrss`) belongs to that measurement alone. The parent
 (`run_bench`, `tools/bench.py`) collects the children's JSON lines into one table + one JSON file.
@@ -195,7 +195,7 @@ def run_child(role: str, kwargs: dict, env: dict | None = None, timeout: float =
               cpus: list[int] | None = None) -> list[dict]:
     """Run one role in a fresh interpreter; returns its records (the child prints one JSON line). `cpus`: pin the
     child to these CPUs (sched_setaffinity before exec; torch and XLA size their thread pools from it)."""
-    cmd = [sys.executable, "-m", "parity.bench", role, json.dumps(kwargs)]
+    cmd = [sys.executable, "-m", "parity.cli.bench", role, json.dumps(kwargs)]
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
                        preexec_fn=pin)

@@ -34,7 +34,7 @@ def load_weights(bundle: Path) -> dict[str, np.ndarray]:
 
 def build_target(meta: dict, spec: str):
     """The target as the replay builds it: resolved by name or class path, semantic forks set, built, layer loaded."""
-    from parity.config import Ling3Config
+    from parity.model.config import Ling3Config
     from parity.targets import resolve
 
     cfg = Ling3Config.from_dict(meta["config"], source="bundle.json config", strict=False)

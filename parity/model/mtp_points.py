@@ -12,10 +12,10 @@ Every real Ling-3.0 checkpoint carries an MTP layer `model.layers.{N}` (N = num_
     mtp_logits = lm_head(out).float()                                         # `logits` (no model.norm in between)
 
 MTP layer j's points live in their own group, `/prefill/MTP{j}/<site>` and `/decode/S001/MTP{j}/<site>`, so the main
-stack's points (`parity.points.Point`) are never touched. Site names follow the main layers' (the checkpoint's
+stack's points (`parity.model.points.Point`) are never touched. Site names follow the main layers' (the checkpoint's
 module names relative to `model.layers.{N+j}`) plus the MTP-only ones above.
 
-This module is self-contained so that `parity/points.py` can absorb it later (e.g. a `Point.mtp` field): the site
+This module is self-contained so that `parity/model/points.py` can absorb it later (e.g. a `Point.mtp` field): the site
 list, their dataflow inputs and the HDF5/report spellings are all here.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from parity.points import layer_sites
+from parity.model.points import layer_sites
 
 GROUP_RE = re.compile(r"^MTP(\d+)$")
 
@@ -35,14 +35,14 @@ MTP_SITES_AFTER = ("final_layernorm:in", "final_layernorm", "logits")
 def mtp_sites(cfg, *, recorded_inputs: bool = False) -> tuple[str, ...]:
     """All sites of an MTP layer, in execution order. Its decoder block is MLA + MoE (facts §2); the main layers'
     `input` (= `eh_proj` here) and `output` (= `final_layernorm:in`) are not repeated. `recorded_inputs`: also the
-    block's `<module>:in` sites (as `parity.points.layer_sites`)."""
+    block's `<module>:in` sites (as `parity.model.points.layer_sites`)."""
     block = layer_sites("mla", True, cfg.q_lora, recorded_inputs=recorded_inputs)
     assert block[0] == "input" and block[-1] == "output"
     return (*MTP_SITES_BEFORE, *block[1:-1], *MTP_SITES_AFTER)
 
 
 # Which sites an MTP site is computed from (same phase/step; "model/final_norm" is the main stack's point). The MLA
-# and MoE sites of the block follow parity.points' per-layer graph with `input` replaced by `eh_proj`.
+# and MoE sites of the block follow parity.model.points' per-layer graph with `input` replaced by `eh_proj`.
 MTP_INPUTS = {
     "embed": (),
     "enorm": ("embed",),

@@ -2,19 +2,19 @@
 dump when every sub-module is fed its own dumped inputs. The replay itself is `parity.replay` (strategy
 `observe_isolated`); this module measures and prints.
 
-`python -m parity.isolated DUMP.h5 ... [--measure]` replays each dump in isolated mode and prints status counts and
+`python -m parity.replay.isolated DUMP.h5 ... [--measure]` replays each dump in isolated mode and prints status counts and
 the per-class noise table; `--measure` judges with `measurement_rules()` so `min_passing_*` are the noise itself.
 """
 
 from __future__ import annotations
 
-from parity.points import site_class
+from parity.model.points import site_class
 
 MODE = "isolated"
 
 
 def noise_table(records: list[dict]) -> dict[str, dict]:
-    """Per site class (`parity.points.site_class`) over compared records: n points, worst max ULP before / after the
+    """Per site class (`parity.model.points.site_class`) over compared records: n points, worst max ULP before / after the
     floor, worst fraction of elements not bit-exact (> 1/2 ULP) and > 1 ULP, worst min_passing_max_ulps /
     min_passing_hard_ulps, fails."""
     out: dict[str, dict] = {}
@@ -53,12 +53,12 @@ def measurement_rules():
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m parity.isolated DUMP.h5 ...`: isolated replay of each dump, status counts and the noise table."""
+    """`python -m parity.replay.isolated DUMP.h5 ...`: isolated replay of each dump, status counts and the noise table."""
     import argparse
     import collections
 
     from parity.dumpfile import DumpReader
-    from parity.points import parse_layers
+    from parity.model.points import parse_layers
     from parity.replay import run_replay
 
     ap = argparse.ArgumentParser(description=main.__doc__)

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-from parity.replay.session import BUNDLED_DUMPS, dump_identity, target_info  # noqa: E402  (checkout or installed data files)
+from parity.replay.session import BUNDLED_DUMPS, dump_identity, target_info
 RECORD_KEY = "parity_record"
 # `layer` works for every target; `isolated` needs the target's `isolated` capability (external ports often lack it),
 # so a run of both is asked for: `--parity-mode layer,isolated` (CI: tests/test_parity_modes.py)
@@ -233,7 +232,7 @@ def _session(config) -> ParitySession:
 def _parse_layers(text: str | None):
     if not text:
         return None
-    from parity.points import parse_layers
+    from parity.model.points import parse_layers
 
     return set(parse_layers(text, option="--parity-layers"))
 
@@ -259,7 +258,7 @@ def parity_params(config: pytest.Config) -> list:
     `pytest parity` run over the bundled dumps (5,105 tests); the steps of a site replay together anyway (one replay
     per layer), and report.json still holds one record per point."""
     from parity.errors import ParityError
-    from parity.points import mtp_site
+    from parity.model.points import mtp_site
     from parity.replay.coverage import owed_points
 
     sess = _session(config)
@@ -285,7 +284,7 @@ def parity_params(config: pytest.Config) -> list:
                 pts.append((p.phase, p.step, p.layer, p.site))
             else:
                 unknown.append(f"{entry.path}: holds {p.key()}, which is not a point of its model (layer kinds and "
-                               "sites of parity/points.py): no replay compares it")
+                               "sites of parity/model/points.py): no replay compares it")
         for (lay, site), (unit, pts, unknown) in groups.items():
             params.append(pytest.param(entry, PointGroup(site, tuple(pts), tuple(unknown)), unit,
                                        id="/".join(x for x in (entry.run, lay, site) if x),
@@ -297,7 +296,7 @@ def _xdist_group(entry: DumpEntry, layer: int | str | None):
     """One replay serves every point of a (dump, layer): with -n, its tests run on one worker (under xdist's default
     `load` each worker would replay every layer again). The mark serves an explicit `--dist loadgroup` where pytest
     keeps xdist's id suffix (< 9.2); by default the scheduler reads the same group from the test id
-    (parity/xdist_groups.py). Per layer, not per dump, so a big dump's layers still spread over the workers."""
+    (parity/pytest_plugin/xdist_groups.py). Per layer, not per dump, so a big dump's layers still spread over the workers."""
     unit = "model" if layer is None else layer if isinstance(layer, str) else f"L{layer:02d}"
     return pytest.mark.xdist_group(f"parity:{entry.run}:{unit}")
 
@@ -314,7 +313,7 @@ def _runs_parity(config: pytest.Config) -> bool:
     `pytest --pyargs parity`)? Only then are the parity options and dumps checked up front."""
     import importlib.util
 
-    test_file = (Path(__file__).parent / "test_points.py").resolve()
+    test_file = (Path(__file__).parents[1] / "test_points.py").resolve()
     for arg in config.args:
         path = arg.split("::", 1)[0]
         if config.option.pyargs:
@@ -379,7 +378,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one xdist worker (pytest-xdist)")
     config._parity_records = {}
     # xdist's default for -n (`load`) spreads a layer's points over all workers, and each worker then replays that
-    # layer: group them per (dump, layer) instead (parity/xdist_groups.py); another explicit --dist is the user's.
+    # layer: group them per (dump, layer) instead (parity/pytest_plugin/xdist_groups.py); another explicit --dist is the user's.
     dist = getattr(config.option, "dist", "no")
     config._parity_group_layers = (dist == "load" and not _dist_given(config)) or dist == "loadgroup"
     if config.getoption("--parity-mode", default=None) is not None:
@@ -397,9 +396,9 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """xdist controller: the scheduler that keeps a (dump, layer) on one worker (xdist's loadgroup alone no longer
-    does on pytest >= 9.2, see parity/xdist_groups.py)."""
+    does on pytest >= 9.2, see parity/pytest_plugin/xdist_groups.py)."""
     if getattr(config, "_parity_group_layers", False):
-        from parity.xdist_groups import ParityGroupScheduling
+        from parity.pytest_plugin.xdist_groups import ParityGroupScheduling
 
         return ParityGroupScheduling(config, log)
     return None
@@ -452,7 +451,7 @@ def run_point(request: pytest.FixtureRequest, entry: DumpEntry, group: PointGrou
     for point in group.points:
         rec = recs.get(point)
         if rec is None:
-            from parity.points import Point
+            from parity.model.points import Point
 
             p = Point(*point)
             why = ("the dump lacks it (its model has this point at a step the dump was made with; deleted or lost?)"
@@ -502,7 +501,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
     if _is_worker(config) or not _RECORDS:
         return
     from parity.replay.coverage import not_tested_records
-    from parity.report import build_report, write_reports
+    from parity.reporting.report import build_report, write_reports
 
     out_root = Path(config.getoption("--parity-report"))
     built, skipped = [], []
@@ -529,9 +528,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
             r.pop("dump", None)
         recs = recs + not_tested_records(reader, {(r["phase"], r["step"], r["layer"], r["site"]) for r in recs},
                                          layers_opt)
-        from parity.semantics import report_section
+        from parity.model.semantics import report_section
 
-        from parity.repro import run_context
+        from parity.reporting.repro import run_context
 
         rep = build_report(cfg, recs, dump=str(entry.path), target=config.getoption("--parity-target"),
                            mode=entry.mode, extra={"semantics": report_section(
@@ -565,9 +564,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
 
 def _triage(built: list) -> None:
     """fp32 + bf16 dumps of one checkpoint replayed in this run (same target and mode): each report of a pair gets
-    the per-site triage (parity.triage), rewritten in place."""
-    from parity.report import write_reports
-    from parity.triage import pairs, triage
+    the per-site triage (parity.reporting.triage), rewritten in place."""
+    from parity.reporting.report import write_reports
+    from parity.reporting.triage import pairs, triage
 
     paths = {id(rep): path for rep, path in built}
     for fp32, bf16 in pairs([rep for rep, _ in built]):
@@ -583,14 +582,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     skipped = getattr(config, "_parity_report_skipped", None)
     if not built and not skipped:
         return
-    from parity.report import summary_text
+    from parity.reporting.report import summary_text
 
     terminalreporter.section("ling3-parity")
     for line in skipped or ():
         terminalreporter.write_line(line)
     for rep, path in built or ():
         terminalreporter.write_line(summary_text(rep))
-        from parity.semantics import report_lines
+        from parity.model.semantics import report_lines
 
         for line in report_lines(rep.get("semantics")):
             terminalreporter.write_line(line)

@@ -1,10 +1,10 @@
-"""The CI job summary (issue 25 item 4): `python -m parity.ci_summary REPORTS [--bundles]`.
+"""The CI job summary (issue 25 item 4): `python -m parity.pytest_plugin.ci_summary REPORTS [--bundles]`.
 
 Appends markdown to `$GITHUB_STEP_SUMMARY` (stdout when it is not set): per report under REPORTS (every
 `report.json` below it), the verdict, the first divergence and its source, the first semantic / precision
 divergence where the report has a `triage` section, the commands that reproduce the failure, and the per-layer table
-(`parity.report.layer_table_markdown`, folded). With `--bundles` it also writes the repro bundle
-(`parity.repro.make_bundle`) of each failing report into `<report dir>/repro` and names it; a bundle that cannot be made
+(`parity.reporting.report.layer_table_markdown`, folded). With `--bundles` it also writes the repro bundle
+(`parity.reporting.repro.make_bundle`) of each failing report into `<report dir>/repro` and names it; a bundle that cannot be made
 is one line in the summary, never a failed step (the verdict is pytest's exit status).
 """
 
@@ -24,7 +24,7 @@ def find_reports(root: Path) -> list[Path]:
 
 
 def _point_line(title: str, d: dict | None) -> str:
-    from parity.report import _fmt, _loc
+    from parity.reporting.report import _fmt, _loc
 
     if not d:
         return f"- {title}: none"
@@ -34,8 +34,8 @@ def _point_line(title: str, d: dict | None) -> str:
 
 def report_markdown(report: dict, bundle_note: str | None = None) -> list[str]:
     """The summary section of one report."""
-    from parity.repro import repro_commands
-    from parity.report import _loc, layer_table_markdown
+    from parity.reporting.repro import repro_commands
+    from parity.reporting.report import _loc, layer_table_markdown
 
     verdict = "PASSED" if report["passed"] else "FAILED"
     out = [f"### {'✅' if report['passed'] else '❌'} {verdict}: `{report['dump']}`", "",
@@ -58,7 +58,7 @@ def report_markdown(report: dict, bundle_note: str | None = None) -> list[str]:
 
 def _bundle(report: dict, report_json: Path) -> str:
     """Write the failing report's repro bundle; the line saying where (or why not)."""
-    from parity.repro import make_bundle
+    from parity.reporting.repro import make_bundle
 
     try:
         out = make_bundle(report, report_json.parent / "repro", report_path=str(report_json.parent))
@@ -69,7 +69,7 @@ def _bundle(report: dict, report_json: Path) -> str:
 
 def summary(root: Path, bundles: bool = False) -> str:
     """The whole job summary for the reports below `root`."""
-    from parity.report import load_report
+    from parity.reporting.report import load_report
 
     paths = find_reports(root)
     out = ["## ling3-parity", ""]
@@ -87,7 +87,7 @@ def summary(root: Path, bundles: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m parity.ci_summary", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m parity.pytest_plugin.ci_summary", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("reports", nargs="?", default="reports", help="report root (default: reports)")
     ap.add_argument("--bundles", action="store_true", help="write the repro bundle of each failing report")

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Iterable
 
-from parity.points import Point, mtp_site, point_inputs, sites_for_config
+from parity.model.points import Point, mtp_site, point_inputs, sites_for_config
 from parity.provenance import kernels_line, markdown_section
 
 SCHEMA = "ling3-parity-report"
@@ -23,7 +23,7 @@ FAILING = ("fail",)
 
 def _site_rank(cfg, layer: int | None, site: str) -> int:
     if layer is None and (m := mtp_site(site)) is not None:  # an MTP layer's site: its execution order
-        from parity.mtp_points import mtp_sites
+        from parity.model.mtp_points import mtp_sites
 
         order = mtp_sites(cfg, recorded_inputs=True)
         return order.index(m[1]) if m[1] in order else len(order)
@@ -151,7 +151,7 @@ def aligned_table(header: tuple[str, ...], rows: list[list[str]], align: str, ga
 def summary_text(report: dict, *, max_rows: int = 60) -> str:
     """Terminal summary: verdict, first divergence and its source (with the commands that reproduce it),
     per-layer table."""
-    from parity.repro import repro_commands
+    from parity.reporting.repro import repro_commands
 
     lines = [f"ling3-parity: dump {report['dump']} | target {report['target']} | mode {report['mode']} -> "
              + ("PASSED" if report["passed"] else "FAILED") + f"  {report.get('counts', {})}"]

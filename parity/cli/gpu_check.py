@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CKPTS = ("tiny", "tiny-flash")
 PRECISIONS = ("fp32-ieee", "fp32-tf32", "bf16")
 PROMPTS = (24, 100)  # <= 64: fla's recurrent KDA kernel; > 64: its chunked kernel (bf16 intermediates)
@@ -254,7 +254,7 @@ def summarize_comparison(points: list[dict], missing: list[str]) -> dict:
 
 def replay_counts(report_dir: Path) -> dict:
     """Point statuses over every report.json the replay wrote (one per dump x mode)."""
-    from parity.points import Point
+    from parity.model.points import Point
 
     reports = sorted(report_dir.rglob("report.json"))
     if not reports:

@@ -169,7 +169,7 @@ def site_class(site: str) -> str:
 
 
 # MTP layer j's sites travel through the replay as model-level points (layer None) named "MTP{j}/<site>"; their
-# report/HDF5 spelling is the MTP group's own (`/prefill/MTP0/eh_proj`, parity.mtp_points, DESIGN §4 addition).
+# report/HDF5 spelling is the MTP group's own (`/prefill/MTP0/eh_proj`, parity.model.mtp_points, DESIGN §4 addition).
 MTP_SITE_RE = re.compile(r"^MTP(\d+)/(.+)$")
 
 

@@ -14,7 +14,7 @@ import re
 
 from xdist.scheduler import LoadGroupScheduling
 
-# the id the plugin gives a parity test (parity/plugin.py parity_params): `<run>/<layer>/<site>`, where the run is a
+# the id the plugin gives a parity test (parity/pytest_plugin/plugin.py parity_params): `<run>/<layer>/<site>`, where the run is a
 # dump label (a file name) or `<label>/<mode>` when one pytest run replays several modes (`<run>/MTP<j>/<site>` for
 # an MTP layer's sites: one group per MTP layer); a site has no "/"
 _POINT_ID = re.compile(r"::test_point\[(?P<dump>.+)/(?P<layer>layer_\d+|model|MTP\d+)/[^/]+\]$")

@@ -1,0 +1,1 @@
+"""The pytest face of the suite (DESIGN §8): the plugin, xdist grouping, the CI summary."""
