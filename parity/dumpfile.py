@@ -103,7 +103,8 @@ CHUNK_BYTES = 1 << 20  # ~1 MiB chunks: large enough for the filters to be effic
 
 _LAYER_RE = re.compile(r"^L(\d{2,})$")
 _STEP_RE = re.compile(r"^S(\d{3,})$")
-_PHASES = ("prefill", "decode")
+# "backward" (issue 26): the cotangents and weight gradients of one backward pass of the prefill, one step (0)
+_PHASES = ("prefill", "decode", "backward")
 
 
 # ---------------------------------------------------------------------------------------------------- fingerprint
@@ -781,10 +782,10 @@ class DumpWriter:
     def _check_point(self, point: Point | MtpPoint) -> None:
         if not isinstance(point, (Point, MtpPoint)):
             raise DumpError(f"{self.path}: got {point!r}, expected a parity.model.points.Point or parity.model.mtp_points.MtpPoint")
-        ok = (point.phase == "prefill" and point.step == 0) or (point.phase == "decode" and point.step >= 1)
+        ok = (point.phase in ("prefill", "backward") and point.step == 0) or (point.phase == "decode" and point.step >= 1)
         layer = point.mtp if isinstance(point, MtpPoint) else point.layer
         if not ok or (layer is not None and layer < 0) or not point.site or "/" in point.site:
-            raise DumpError(f"{self.path}: malformed point {point!r}: expected prefill step 0 or decode step >= 1, "
+            raise DumpError(f"{self.path}: malformed point {point!r}: expected prefill or backward step 0 or decode step >= 1, "
                             "layer None or >= 0, a site name without '/'")
 
 
@@ -924,7 +925,7 @@ def _iter_phase(root: h5py.Group, phase: str, path: Path, prefix: str
     g = root[phase]
     if not isinstance(g, h5py.Group):
         raise DumpError(f"{path}: {prefix}/{phase} is not a group")
-    if phase == "prefill":
+    if phase in ("prefill", "backward"):
         steps = [(0, g)]
     else:
         steps = []

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-Phase = Literal["prefill", "decode"]
+Phase = Literal["prefill", "decode", "backward"]
 
 MODEL_SITES_BEFORE = ("embed",)
 MODEL_SITES_AFTER = ("final_norm", "logits")
@@ -194,8 +194,8 @@ class Point:
         lay, site = ("model" if self.layer is None else layer_group(self.layer)), self.site
         if self.layer is None and (m := mtp_site(site)) is not None:
             lay, site = f"MTP{m[0]}", m[1]
-        if self.phase == "prefill":
-            return ("prefill", lay, site)
+        if self.phase in ("prefill", "backward"):  # one step each: no step group
+            return (self.phase, lay, site)
         return ("decode", step_group(self.step), lay, site)
 
     def h5_path(self) -> str:
