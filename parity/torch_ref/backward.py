@@ -17,6 +17,7 @@ included (their parameters get no gradient and no backward points are written fo
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import numpy as np
@@ -35,8 +36,17 @@ LOSS_DEFINITION = ("L = mean over positions t = 0..T-2 of the prompt of CE(logit
 NO_GRAD_DERIVED = ("its forward value is derived by the capture under no_grad ({module}), outside the runtime's "
                    "autograd graph: no cotangent to read")
 NO_GRAD_VALUE = "its forward value does not require grad ({module}: integer routing ids or a detached tensor)"
-OFF_PATH = ("its tensor ({module}) is not on the loss's autograd path in this runtime (e.g. the final recurrent state "
-            "only feeds the cache, or the runtime recomputes the value inside a kernel and uses that copy)")
+OFF_PATH = ("its tensor ({module}) is not on the loss's autograd path in this runtime (the runtime computes it for "
+            "observation only, or recomputes the value elsewhere and uses that copy)")
+# Sites that have no cotangent in any runtime, by what they are.
+NO_COTANGENT = {
+    "mlp.gate.topk_idx": "integer routing ids: no cotangent (the discrete top-k is not differentiated; routing in the "
+                         "backward is the forward's)",
+    "attention.state": "the recurrent state after the prefill only feeds the cache (decode steps): the prefill's loss "
+                       "does not depend on it, no cotangent",
+    "attention.conv_state": "the conv state after the prefill only feeds the cache (decode steps): the prefill's loss "
+                            "does not depend on it, no cotangent",
+}
 
 
 def next_token_ce(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -52,6 +62,35 @@ def loss_record(value: float, terms: int, grad_dtype: str, stats_only: bool) -> 
     """The root attr `backward` (contract)."""
     return {"loss": LOSS_NAME, "definition": LOSS_DEFINITION, "value": float(value), "terms": int(terms),
             "mtp_loss": None, "grad_dtype": grad_dtype, "weights": "stats" if stats_only else "full"}
+
+
+# ---------------------------------------------------------------------------------------------- no_grad methods
+# Methods a runtime's eval forward runs under a `@torch.no_grad()` decorator although they carry the layer's
+# computation: the official file's `moe_infer` (the routed experts' weighted sum, its eval path; its training path,
+# `self.training`, is another computation and its KDA refuses prompts <= 64 tokens in training mode). Under --grads the
+# decorator is lifted for the dump (the undecorated function, `__wrapped__`, runs the same arithmetic: forward bits
+# unchanged, tested), so the routed experts and the router get their gradients.
+NO_GRAD_METHODS = ("moe_infer",)
+
+
+@contextmanager
+def lift_no_grad_methods(model: torch.nn.Module) -> Iterator[list[str]]:
+    """Replace each NO_GRAD_METHODS method of the model's module classes by its undecorated function while the block
+    runs (class attributes, restored after); yields the `Class.method` names lifted."""
+    undo, lifted = [], []
+    for cls in {type(m) for m in model.modules()}:
+        for name in NO_GRAD_METHODS:
+            fn = cls.__dict__.get(name)
+            inner = getattr(fn, "__wrapped__", None)
+            if fn is not None and inner is not None:
+                setattr(cls, name, inner)
+                undo.append((cls, name, fn))
+                lifted.append(f"{cls.__name__}.{name}")
+    try:
+        yield sorted(lifted)
+    finally:
+        for cls, name, fn in undo:
+            setattr(cls, name, fn)
 
 
 # ---------------------------------------------------------------------------------------------- weight names
@@ -136,6 +175,7 @@ class CotangentRecorder:
         self.refused: dict[Point, str] = {}  # point -> reason (no hook: the value does not require grad)
         self.arrived: set[Point] = set()
         self.handles: list = []
+        self._observing = False
 
     def attach(self) -> "CotangentRecorder":
         self.cap.grad_watch = self.watch
@@ -146,6 +186,45 @@ class CotangentRecorder:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        if self._observing:
+            from parity.torch_ref import fla_cpu
+
+            fla_cpu.set_kda_observer(None)
+            self._observing = False
+
+    def observe_kernel_gate(self, model: torch.nn.Module) -> None:
+        """The twin under the fla stand-ins: its `tap_gate` holds a gate it computes for observation only — the
+        kernel recomputes the gate from f_proj's output (use_gate_in_kernel) and uses that copy. The cotangent of
+        `attention.gate` is read from the stand-in's own gate (its KDA observer, parity/torch_ref/fla_cpu.py)."""
+        from parity.torch_ref import fla_cpu
+
+        if not fla_cpu.is_installed() or fla_cpu.get_kda_observer() is not None:
+            return
+        current: list[int | None] = [None]
+        for i, layer in enumerate(getattr(model.model, "layers", [])[: self.n]):
+            attn = getattr(layer, "attention", None)
+            if attn is not None and i in self.cap.layers and self.cap.cfg.layer_kind(i) == "kda":
+                def enter(_m, _a, i=i):
+                    current[0] = i
+
+                def leave(_m, _a, _o):
+                    current[0] = None
+                self.handles += [attn.register_forward_pre_hook(enter), attn.register_forward_hook(leave)]
+
+        def observe(d: dict) -> None:
+            i, gate = current[0], d.get("gate")
+            if i is None or self.cap.phase != "prefill" or not isinstance(gate, torch.Tensor) \
+                    or not gate.requires_grad:
+                return
+            point = Point("backward", 0, i, "attention.gate")
+            if point not in self.watched or point in self.arrived:
+                return  # the site is not dumped (--layers / --sites)
+            module = "fla_cpu:gate (the stand-in kernel's own gate)"
+            self.watched[point] = module
+            self.handles.append(gate.register_hook(lambda g: self._arrive(point, g, module, "output")))
+
+        fla_cpu.set_kda_observer(observe)
+        self._observing = True
 
     def watch(self, layer: int | None, site: str, t: torch.Tensor, *, module: str, io: str) -> None:
         if layer is not None and layer >= self.n:
@@ -155,6 +234,11 @@ class CotangentRecorder:
         point = Point("backward", 0, layer, site)
         if point in self.watched or point in self.refused:
             raise ParityError(f"{self.cap.map_name} runtime: {point.key()} emitted twice in one prefill")
+        if layer is not None:
+            module = module.replace("{i}", str(layer))
+        if site in NO_COTANGENT:
+            self.refused[point] = NO_COTANGENT[site]
+            return
         if not (isinstance(t, torch.Tensor) and t.requires_grad):
             why = NO_GRAD_DERIVED if "->" in module else NO_GRAD_VALUE
             self.refused[point] = why.format(module=module)

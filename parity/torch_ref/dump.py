@@ -27,7 +27,8 @@ from parity.errors import ParityError
 from parity.model.mtp_points import mtp_group
 from parity.model.points import Point
 from parity.torch_ref import fla_cpu
-from parity.torch_ref.backward import CotangentRecorder, grad_point, hf_param_grads, loss_record, next_token_ce
+from parity.torch_ref.backward import (CotangentRecorder, grad_point, hf_param_grads, lift_no_grad_methods, loss_record,
+                                       next_token_ce)
 from parity.torch_ref.capture import Capture, runtime_map_name, to_numpy
 from parity.torch_ref.kernels import KernelObserver, fp32_matmul_policy, kernels_record
 
@@ -490,6 +491,11 @@ def dump_checkpoint(
                             unavailable[f"L{i:02d}/{site}"] = cap.unexposed_reason(site, i)
                 all_tokens = [ids]
                 recorder = CotangentRecorder(cap, sink).attach() if opts.grads else None
+                lifted = stack.enter_context(lift_no_grad_methods(model)) if opts.grads else []
+                if recorder is not None:
+                    stack.callback(recorder.detach)  # hooks and the stand-ins' observer out, also on a failure
+                    if map_name == "twin":
+                        recorder.observe_kernel_gate(model)
                 progress = _progress(opts.progress, (1 + opts.decode_steps) * len(layers))
                 with cap, torch.no_grad():
                     if want_mtp:
@@ -525,6 +531,8 @@ def dump_checkpoint(
                             backward_meta = run_backward(model, map_name, cfg, cap, recorder, sink, logits, t_ids,
                                                          opts)
                         recorder.detach()
+                        if lifted:
+                            backward_meta["no_grad_lifted"] = lifted  # (the official moe_infer, backward.py)
                         writer.set_meta("backward", backward_meta)
                         logits = logits.detach()
                     for k in range(1, opts.decode_steps + 1):
