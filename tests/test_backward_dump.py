@@ -263,3 +263,145 @@ def test_builtin_comparison_detects_a_backward_only_bug(builtin_runs, mutant, fp
         bad = sorted(k for k, r in rels.items() if r > bound)
         assert bad, f"{mutant.__name__} went unnoticed in fp32"
     print(mutant.__name__, "fp64" if fp64 else "fp32", len(bad), bad[:4])
+
+
+# ------------------------------------------------------------------------- (c) the stand-ins' KDA autograd vs fla naive
+def _fla_naive():
+    """fla's naive torch KDA (`fla/ops/kda/naive.py`), loaded by file path (fla's Triton modules do not import here)."""
+    import importlib.util
+
+    from parity.torch_ref import fla_cpu
+
+    spec = None if fla_cpu.is_installed() else importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("fla-core not installed (its naive KDA reference is needed)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "ops" / "kda" / "naive.py"
+    s = importlib.util.spec_from_file_location("_fla_kda_naive_bw", path)
+    mod = importlib.util.module_from_spec(s)
+    s.loader.exec_module(mod)
+    return mod
+
+
+_KDA_LB = -5.0  # the Ling3 lower-bound gate form (facts §3.5)
+
+
+def _kda_leaves(T: int, seed: int = 0, fp64: bool = True) -> dict[str, torch.Tensor]:
+    """Raw inputs of the official call (q, k, v, f_proj output a, sigmoided beta, A_log, dt_bias, initial state),
+    fp64 (or fp32) leaves that require grad; plus fixed random cotangents for o and the final state."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, K, V = 2, 3, 16, 12
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    x = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, H, V), a=r(B, T, H, K),
+             beta=torch.sigmoid(r(B, T, H)), A_log=torch.rand(H, generator=g, dtype=torch.float64) * 2.7,
+             dt_bias=0.1 * r(H * K), S0=0.5 * r(B, H, K, V))
+    x = {n: (t if fp64 else t.float()).requires_grad_(True) for n, t in x.items()}
+    x["do"], x["dS"] = r(B, T, H, V), r(B, H, K, V)
+    return x if fp64 else {n: (t if t.requires_grad else t.float()) for n, t in x.items()}
+
+
+def _stand_in_grads(kind: str, x: dict, fp64: bool = True) -> dict[str, torch.Tensor]:
+    """Gradients of <do, o> + <dS, S> through the stand-in called as the official file calls it (gate, l2norm in
+    the kernel), in float64 (`_Fp64`: the stand-in's fp32 upcasts become float64) or as is (fp32 leaves)."""
+    from parity.torch_ref import fla_cpu
+
+    fn = fla_cpu.chunk_kda if kind == "chunk" else fla_cpu.fused_recurrent_kda
+    with _Fp64() if fp64 else nullcontext():
+        o, S = fn(q=x["q"], k=x["k"], v=x["v"], g=x["a"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                  initial_state=x["S0"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  use_gate_in_kernel=True, lower_bound=_KDA_LB)
+        loss = (o * x["do"]).sum() + (S * x["dS"]).sum()
+    names = ("q", "k", "v", "a", "beta", "A_log", "dt_bias", "S0")
+    return dict(zip(names, torch.autograd.grad(loss, [x[n] for n in names], allow_unused=True, materialize_grads=True)))
+
+
+def _naive_grads(naive, kind: str, x: dict, fp64: bool = True) -> dict[str, torch.Tensor]:
+    """The same gradients through fla's naive KDA, with the gate and the l2norm written here from their formulas
+    (facts §3.3, §3.5)."""
+    def l2(t):
+        return t / torch.sqrt((t * t).sum(-1, keepdim=True) + 1e-6)
+
+    H, K = x["a"].shape[-2:]
+    gate = _KDA_LB * torch.sigmoid(torch.exp(x["A_log"]).view(H, 1) * (x["a"] + x["dt_bias"].view(H, K)))
+    fn = naive.naive_chunk_kda if kind == "chunk" else naive.naive_recurrent_kda
+    with _Fp64() if fp64 else nullcontext():
+        o, S = fn(l2(x["q"]), l2(x["k"]), x["v"], gate, x["beta"], initial_state=x["S0"], output_final_state=True)
+        loss = (o * x["do"]).sum() + (S * x["dS"]).sum()
+    names = ("q", "k", "v", "a", "beta", "A_log", "dt_bias", "S0")
+    return dict(zip(names, torch.autograd.grad(loss, [x[n] for n in names], allow_unused=True, materialize_grads=True)))
+
+
+KDA_GRAD_TOL = 1e-10  # float64 both sides: max-abs relative per input (measured <= 4.4e-14)
+KDA_GRAD_TOL_FP32 = 1e-5  # fp32 both sides, the issue's fp32 bound (measured <= 9.4e-6 chunk, 2.3e-7 recurrent)
+
+
+def _kda_grad_rels(ours: dict, ref: dict) -> dict[str, float]:
+    return {n: _rel(ours[n], ref[n]) for n in ref}
+
+
+# (stand-in path, T, naive reference): the recurrent path is what the official file takes for prompts <= 64 tokens,
+# the chunked one beyond (ORC §1.1); naive_chunk_kda needs T % 64 == 0.
+KDA_CASES = [("recurrent", 40, "recurrent"), ("recurrent", 65, "recurrent"), ("chunk", 100, "recurrent"),
+             ("chunk", 128, "chunk"), ("chunk", 128, "recurrent")]
+
+
+@pytest.mark.parametrize("kind,T,ref", KDA_CASES, ids=[f"{k}-T{t}-vs-naive_{r}" for k, t, r in KDA_CASES])
+@pytest.mark.parametrize("fp64", [True, False], ids=["fp64", "fp32"])
+def test_stand_in_kda_autograd_matches_fla_naive(kind, T, ref, fp64):
+    """fp64: max-rel <= 1e-10. fp32: <= 1e-5 against naive_recurrent_kda; not against naive_chunk_kda, whose own fp32
+    backward is inf (it forms exp(Γ_s − Γ_t) for s > t before masking them: overflow, inf·0 in the backward)."""
+    if not fp64 and ref == "chunk":
+        pytest.skip("fla's naive_chunk_kda has no finite fp32 backward (docstring)")
+    naive = _fla_naive()
+    x = _kda_leaves(T, fp64=fp64)
+    rels = _kda_grad_rels(_stand_in_grads(kind, x, fp64), _naive_grads(naive, ref, x, fp64))
+    print(f"{'fp64' if fp64 else 'fp32'} {kind} T={T} vs naive_{ref}: "
+          + ", ".join(f"{n} {r:.1e}" for n, r in rels.items()))
+    assert max(rels.values()) <= (KDA_GRAD_TOL if fp64 else KDA_GRAD_TOL_FP32), rels
+
+
+class _TorchWith:
+    """`torch` as seen by parity.torch_ref.fla_cpu, with some functions replaced (a planted bug)."""
+
+    def __init__(self, **fns):
+        self._fns = fns
+
+    def __getattr__(self, name):
+        return self._fns.get(name) or getattr(torch, name)
+
+
+def _detached_decay(t: torch.Tensor) -> torch.Tensor:
+    """exp with the forward value of torch.exp and no gradient (a detached KDA decay: forward bits unchanged)."""
+    return torch.exp(t).detach()
+
+
+def _l2norm_scale_detached(t: torch.Tensor) -> torch.Tensor:
+    """sqrt with its forward value and no gradient: the l2norm's denominator detached (forward bits unchanged)."""
+    return torch.sqrt(t).detach()
+
+
+@pytest.mark.parametrize("bug", ["exp", "sqrt"], ids=["decay_detached", "l2norm_scale_detached"])
+@pytest.mark.parametrize("kind", ["recurrent", "chunk"])
+def test_stand_in_kda_autograd_comparison_detects_a_planted_bug(monkeypatch, kind, bug):
+    """The comparison fails when the stand-in's backward-relevant maths is broken in a way no forward bit shows."""
+    from parity.torch_ref import fla_cpu
+
+    naive = _fla_naive()
+    T = 100 if kind == "chunk" else 40
+    x = _kda_leaves(T)
+    ref = _naive_grads(naive, "recurrent", x)
+    with torch.no_grad(), _Fp64():
+        o_ok, _ = (fla_cpu.chunk_kda if kind == "chunk" else fla_cpu.fused_recurrent_kda)(
+            q=x["q"], k=x["k"], v=x["v"], g=x["a"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+            initial_state=x["S0"], output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            lower_bound=_KDA_LB)
+    monkeypatch.setattr(fla_cpu, "torch", _TorchWith(**{bug: _detached_decay if bug == "exp"
+                                                        else _l2norm_scale_detached}))
+    with torch.no_grad(), _Fp64():
+        o_bug, _ = (fla_cpu.chunk_kda if kind == "chunk" else fla_cpu.fused_recurrent_kda)(
+            q=x["q"], k=x["k"], v=x["v"], g=x["a"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+            initial_state=x["S0"], output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            lower_bound=_KDA_LB)
+    assert torch.equal(o_ok, o_bug), "the planted bug must leave the forward bit-identical"
+    rels = _kda_grad_rels(_stand_in_grads(kind, x), ref)
+    assert max(rels.values()) > KDA_GRAD_TOL, f"planted {bug} bug went unnoticed: {rels}"
+    print(f"planted {bug} ({kind}): " + ", ".join(f"{n} {r:.1e}" for n, r in rels.items()))
