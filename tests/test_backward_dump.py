@@ -405,3 +405,282 @@ def test_stand_in_kda_autograd_comparison_detects_a_planted_bug(monkeypatch, kin
     rels = _kda_grad_rels(_stand_in_grads(kind, x), ref)
     assert max(rels.values()) > KDA_GRAD_TOL, f"planted {bug} bug went unnoticed: {rels}"
     print(f"planted {bug} ({kind}): " + ", ".join(f"{n} {r:.1e}" for n, r in rels.items()))
+
+
+# ------------------------------------------------------------------------- (b) the dump's points vs autograd directly
+IDS_80 = builtin_ids(512, 80, seed=5)  # > 64 tokens: the chunked KDA path (its backward)
+
+
+def _opts(**kw) -> DumpOptions:
+    kw.setdefault("progress", False)
+    kw.setdefault("decode_steps", 2)
+    return DumpOptions(**kw)
+
+
+def _bw(layer, site) -> Point:
+    return Point("backward", 0, layer, site)
+
+
+@pytest.fixture(scope="module")
+def grads_dump(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bwdump") / "tiny-fp32-grads.h5"
+    dump_checkpoint(CKPT / "tiny", out, IDS_80, _opts(dtype="float32", grads=True))
+    return out
+
+
+def _direct(ck: Path, ids: np.ndarray, dtype: str = "float32"):
+    """Autograd on the twin as the dump loads it, read without the capture: (loss, layer inputs' grads, attention /
+    mlp outputs' grads, fp32 logits' grad, top-k (idx, weight grad) per MoE layer, param grads)."""
+    from parity.torch_ref.loader import load_model
+
+    loaded = load_model(ck, "remote", dtype=dtype, trust_remote_code=False)
+    try:
+        model = loaded.model.eval()
+        n = loaded.config.num_hidden_layers
+        kept: dict[str, torch.Tensor] = {}
+        hs = []
+
+        def keep(name):
+            def hook(_m, args, out=None):
+                t = args[0] if out is None else (out[0] if isinstance(out, tuple) else out)
+                t.retain_grad()
+                kept[name] = t
+            return hook
+
+        for i, layer in enumerate(model.model.layers[:n]):
+            hs.append(layer.register_forward_pre_hook(keep(f"{i}/input")))
+            hs.append(layer.attention.register_forward_hook(keep(f"{i}/attention")))
+            hs.append(layer.mlp.register_forward_hook(keep(f"{i}/mlp")))
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                def topk(_m, _a, out, i=i):
+                    out[1].retain_grad()
+                    kept[f"{i}/topk"] = out
+                hs.append(gate.register_forward_hook(topk))
+        t_ids = torch.as_tensor(ids)
+        logits = model(t_ids).logits.float()
+        logits.retain_grad()
+        loss = _loss(logits, t_ids)
+        loss.backward()
+        for h in hs:
+            h.remove()
+        params = {k: p.grad for k, p in model.named_parameters() if not k.startswith(f"model.layers.{n}.")}
+        return loss.item(), kept, logits.grad, params
+    finally:
+        loaded.release()
+
+
+def test_grads_dump_equals_autograd(grads_dump):
+    """Every backward point checked against autograd read directly (bit-identical: the same code, input and
+    order of operations); the chain identities between points."""
+    loss, kept, d_logits, params = _direct(CKPT / "tiny", IDS_80)
+    validate_dump(grads_dump)
+    with DumpReader(grads_dump) as d:
+        meta = d.meta["backward"]
+        assert meta["loss"] == "next_token_ce_mean_fp32" and meta["terms"] == 79 and meta["mtp_loss"] is None
+        assert meta["value"] == loss and meta["grad_dtype"] == "float32" and meta["weights"] == "full"
+        assert np.array_equal(d.read(_bw(None, "logits")), d_logits.numpy())
+        assert np.array_equal(d.read(_bw(None, "embed")), kept["0/input"].grad.numpy())
+        n = d.config.num_hidden_layers
+        for i in range(n):
+            x = kept[f"{i}/input"].grad.numpy()
+            assert np.array_equal(d.read(_bw(i, "input")), x), i
+            if i > 0:
+                assert np.array_equal(d.read(_bw(i - 1, "output")), x), i
+            assert np.array_equal(d.read(_bw(i, "attention")), kept[f"{i}/attention"].grad.numpy()), i
+            assert np.array_equal(d.read(_bw(i, "mlp")), kept[f"{i}/mlp"].grad.numpy()), i
+            if f"{i}/topk" in kept:
+                idx, w = kept[f"{i}/topk"][0].numpy(), kept[f"{i}/topk"][1].grad.numpy()
+                order = np.argsort(idx, axis=-1, kind="stable")  # canonical: ascending expert id per token
+                assert np.array_equal(d.read(_bw(i, "mlp.gate.topk_weight")), np.take_along_axis(w, order, -1)), i
+        # the last layer's output cotangent is what the final norm's input gets: check it against the head's maths
+        assert d.has(_bw(n - 1, "output")) and d.has(_bw(None, "final_norm"))
+        grads = [p for p in d.points() if p.phase == "backward" and p.site.startswith("grad.")]
+        names = {("model.layers.%d." % p.layer if p.layer is not None else "") + p.site[len("grad."):] for p in grads}
+        assert names == set(params), (sorted(set(params) - names)[:5], sorted(names - set(params))[:5])
+        for p in grads:
+            name = ("model.layers.%d." % p.layer if p.layer is not None else "") + p.site[len("grad."):]
+            want = params[name] if params[name] is not None else torch.zeros(d.shape(p))
+            assert np.array_equal(d.read(p), want.numpy()), name
+
+
+def test_grads_dump_declares_every_site_without_a_cotangent(grads_dump):
+    """Each canonical site of each layer has a backward point or an unavailable entry with its reason."""
+    from parity.model.points import sites_for_config
+    from parity.replay.judge import unavailable_reason
+
+    with DumpReader(grads_dump) as d:
+        cfg = d.config
+        for i in range(cfg.num_hidden_layers):
+            for s in sites_for_config(cfg, i, recorded_inputs=True):
+                p = _bw(i, s)
+                assert d.has(p) or unavailable_reason(d, p), p.key()
+                if s in NO_COTANGENT:
+                    assert not d.has(p) and unavailable_reason(d, p) == NO_COTANGENT[s], p.key()
+        for s in ("input", "output", "attention", "mlp", "input_layernorm", "post_attention_layernorm",
+                  "attention.core", "attention.gate", "attention.beta", "attention.o_norm", "mlp.gate.topk_weight",
+                  "mlp.routed", "mlp.shared_experts"):
+            assert d.has(_bw(2, s)), s  # layer 2: KDA + MoE, every required site of the contract
+        for s in ("attention.core", "attention.gate", "attention.dense:in", "attention.dense"):
+            assert d.has(_bw(3, s)), s  # layer 3: MLA
+        # shapes and dtypes are the forward point's
+        for p in [p for p in d.points() if p.phase == "backward" and not p.site.startswith("grad.")]:
+            if p.site == "logits":
+                assert str(d.dtype(p)) == "float32"
+                continue
+            f = Point("prefill", 0, p.layer, p.site)
+            assert d.shape(p) == d.shape(f) and d.dtype(p) == d.dtype(f), p.key()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_forward_points_bit_identical_with_and_without_grads(tmp_path, dtype):
+    """The prefill (run with autograd on) and the decode steps after it: the same bits as a dump without --grads."""
+    a, b = tmp_path / "plain.h5", tmp_path / "grads.h5"
+    dump_checkpoint(CKPT / "tiny-flash", a, IDS_80, _opts(dtype=dtype))
+    dump_checkpoint(CKPT / "tiny-flash", b, IDS_80, _opts(dtype=dtype, grads=True))
+    _assert_same_forward(a, b)
+
+
+def _assert_same_forward(plain: Path, grads: Path) -> None:
+    with DumpReader(plain) as x, DumpReader(grads) as y:
+        fx = set(x.points()) | set(x.mtp_points())
+        fy = {p for p in set(y.points()) | set(y.mtp_points()) if p.phase != "backward"}
+        assert fx == fy and len(fx) > 300
+        assert any(p.phase == "decode" for p in fx)
+        for p in fx:
+            assert np.array_equal(x.read(p).view(np.uint8), y.read(p).view(np.uint8)), p.key()
+        assert np.array_equal(x.input_ids, y.input_ids)  # greedy decode tokens too
+        assert x.unavailable() == {k: v for k, v in y.unavailable().items() if not k.startswith("backward/")}
+        assert "backward" not in x.meta and y.meta["backward"]["value"] > 0
+
+
+def test_forward_identity_check_detects_a_changed_forward(tmp_path, monkeypatch):
+    """The identity check above fails when --grads changes a forward bit (here: the prefill's logits nudged)."""
+    import parity.torch_ref.dump as dump_mod
+
+    a, b = tmp_path / "plain.h5", tmp_path / "grads.h5"
+    ids = IDS_80[:, :20]
+    dump_checkpoint(CKPT / "tiny-flash", a, ids, _opts(dtype="float32", decode_steps=1))
+    orig = dump_mod.CotangentRecorder.attach
+
+    def attach(self):  # an extra forward hook under --grads that perturbs layer 4's output in place
+        self.cap.model.model.layers[4].register_forward_hook(
+            lambda _m, _a, out: (out[0].mul_(1.0000001),) if torch.is_grad_enabled() else None)
+        return orig(self)
+
+    monkeypatch.setattr(dump_mod.CotangentRecorder, "attach", attach)
+    dump_checkpoint(CKPT / "tiny-flash", b, ids, _opts(dtype="float32", decode_steps=1, grads=True))
+    with pytest.raises(AssertionError):
+        _assert_same_forward(a, b)
+
+
+# ------------------------------------------------------------------------- (d) the official file
+from parity.torch_ref import official  # noqa: E402
+
+OFFICIAL_OK, OFFICIAL_WHY = official.available()
+
+
+@pytest.mark.skipif(not OFFICIAL_OK, reason=OFFICIAL_WHY)
+@pytest.mark.parametrize("preset", ["tiny", "tiny-flash"])
+def test_official_grads_dump(tmp_path, preset):
+    """A --grads dump of the official file (its weights = the bundled checkpoint's): validates, has the backward
+    phase with router / routed-expert gradients (its no_grad moe_infer lifted, recorded), forward bits unchanged, and
+    the weight gradients agree with the twin's on the same weights (bf16 storage, fp32 compute)."""
+    ck = tmp_path / preset
+    shutil.copytree(CKPT / preset, ck)
+    official.install(ck)
+    a, b = tmp_path / "plain.h5", tmp_path / "grads.h5"
+    opts = dict(dtype="float32", trust_remote_code=True, decode_steps=1)
+    dump_checkpoint(ck, a, IDS_80, _opts(**opts))
+    dump_checkpoint(ck, b, IDS_80, _opts(**opts, grads=True))
+    validate_dump(b)
+    _assert_same_forward(a, b)
+    twin = tmp_path / "twin.h5"  # the clamp off: the official file ignores the clamp lists (semantics fork)
+    dump_checkpoint(_no_clamp_copy(preset, tmp_path / "twin"), twin, IDS_80, _opts(dtype="float32", decode_steps=1,
+                                                                                    grads=True))
+    with DumpReader(b) as d, DumpReader(twin) as t:
+        assert d.meta["capture_map"] == "official"
+        assert d.meta["backward"]["no_grad_lifted"] == ["BailingMoeV3SparseMoeBlock.moe_infer"]
+        moe = next(i for i in range(d.config.num_hidden_layers) if d.config.is_moe(i))
+        for s in ("mlp.routed", "mlp.gate.topk_weight", "mlp.gate.logits", "grad.mlp.gate.weight"):
+            assert d.has(_bw(moe, s)), s
+        assert np.abs(d.read(_bw(moe, "grad.mlp.gate.weight"))).max() > 0
+        grads = [p for p in t.points() if p.phase == "backward" and p.site.startswith("grad.")]
+        assert grads and all(d.has(p) for p in grads)
+        worst = max((_rel(torch.from_numpy(d.read(p)), torch.from_numpy(t.read(p))), p.key()) for p in grads)
+        print(preset, "official vs twin weight grads, worst", worst)
+        # fp32 noise level of these models' gradients (test (a): 2-5e-4 max-rel between two fp32 evaluations)
+        assert worst[0] <= 2e-3, worst
+
+
+# ------------------------------------------------------------------------- (e) --stats-only, (f) bad input
+def test_grads_with_stats_only(tmp_path):
+    out = tmp_path / "s.h5"
+    dump_checkpoint(CKPT / "tiny", out, IDS_80[:, :30], _opts(dtype="bfloat16", grads=True, stats_only=True,
+                                                              decode_steps=0))
+    validate_dump(out)
+    with DumpReader(out) as d:
+        assert d.meta["backward"]["weights"] == "stats" and d.meta["backward"]["grad_dtype"] == "bfloat16"
+        assert not [p for p in d.points() if p.phase == "backward"]  # no tensors
+        st = [p for p in d.stats_points() if p.phase == "backward"]
+        sites = {p.site for p in st if p.layer == 1}
+        assert {"input", "output", "attention.core", "grad.attention.q_proj.weight",
+                "grad.mlp.experts.0.down_proj.weight"} <= sites
+        s = d.stats(_bw(1, "grad.attention.q_proj.weight"))
+        assert s["shape"] == [64, 64] and s["dtype"] == "bfloat16" and s["absmax"] > 0 and s["nan"] == 0
+
+
+def test_grads_with_a_layer_subset_runs_the_whole_backward(tmp_path, grads_dump):
+    """--layers 2: the backward still runs through the whole model (same loss, same layer-2 bits as the full dump);
+    only layer 2's backward points and the model-level ones are written."""
+    out = tmp_path / "l2.h5"
+    dump_checkpoint(CKPT / "tiny", out, IDS_80, _opts(dtype="float32", grads=True, layers=[2]))
+    with DumpReader(out) as d, DumpReader(grads_dump) as full:
+        assert d.meta["backward"]["value"] == full.meta["backward"]["value"]
+        bw = [p for p in d.points() if p.phase == "backward"]
+        assert {p.layer for p in bw} == {None, 2}
+        for p in bw:
+            assert np.array_equal(d.read(p), full.read(p)), p.key()
+        assert {p.site for p in bw if p.layer is None} == {"logits", "final_norm", "embed", "grad.lm_head.weight",
+                                                            "grad.model.norm.weight",
+                                                            "grad.model.word_embeddings.weight"}
+
+
+def test_grads_with_a_sites_filter(tmp_path):
+    out = tmp_path / "s.h5"
+    dump_checkpoint(CKPT / "tiny", out, IDS_80[:, :20], _opts(dtype="float32", grads=True, decode_steps=0,
+                                                              sites=["output", "grad.attention.*"]))
+    with DumpReader(out) as d:
+        sites = {p.site for p in d.points() if p.phase == "backward" and p.layer == 0}
+        assert sites == {"output", "grad.attention.q_proj.weight", "grad.attention.k_proj.weight",
+                         "grad.attention.v_proj.weight", "grad.attention.f_proj.weight",
+                         "grad.attention.b_proj.weight", "grad.attention.g_proj.weight",
+                         "grad.attention.o_proj.weight", "grad.attention.o_norm.weight",
+                         "grad.attention.q_conv1d.weight", "grad.attention.k_conv1d.weight",
+                         "grad.attention.v_conv1d.weight", "grad.attention.A_log", "grad.attention.dt_bias"}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "dump_hf.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+
+
+def test_grads_refuses_a_one_token_prompt(tmp_path):
+    r = _cli(str(CKPT / "tiny"), "--out", str(tmp_path / "x.h5"), "--prompt-len", "1", "--grads", "--no-progress")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("dump_hf: error: --grads: a prompt of 1 token has no next-token target"), r.stderr
+    assert not (tmp_path / "x.h5").exists()
+    with pytest.raises(Exception, match="--grads: the prompt has 1 token"):
+        dump_checkpoint(CKPT / "tiny", tmp_path / "y.h5", IDS_80[:, :1], _opts(grads=True))
+
+
+def test_grads_cli_with_sites_and_layers(tmp_path):
+    """--grads accepts --sites patterns over weight-gradient names (refused without --grads) and --layers."""
+    r = _cli(str(CKPT / "tiny"), "--out", str(tmp_path / "x.h5"), "--sites", "grad.*", "--no-progress")
+    assert r.returncode == 2 and "--sites: pattern 'grad.*' matches no site" in r.stderr, r.stderr
+    r = _cli(str(CKPT / "tiny"), "--out", str(tmp_path / "x.h5"), "--sites", "grad.*,input", "--layers", "1",
+             "--grads", "--prompt-len", "12", "--decode-steps", "1", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    with DumpReader(tmp_path / "x.h5") as d:
+        bw = {p.site for p in d.points() if p.phase == "backward" and p.layer == 1}
+        assert "input" in bw and "grad.mlp.gate.weight" in bw and "output" not in bw

@@ -40,8 +40,9 @@ def _int_at_least(lo: int):
     return parse
 
 
-def check_sites(patterns: list[str], cfg, layers: list[int]) -> None:
-    """Every --sites pattern must match a canonical site of the dumped layers (or a model-level site)."""
+def check_sites(patterns: list[str], cfg, layers: list[int], grads: bool = False) -> None:
+    """Every --sites pattern must match a canonical site of the dumped layers (or a model-level site); with --grads
+    also a weight gradient's site (`grad.<HF parameter name>`, e.g. 'grad.*' or 'grad.attention.*')."""
     from parity.model.points import MODEL_SITES_AFTER, MODEL_SITES_BEFORE, sites_for_config
 
     universe = list(MODEL_SITES_BEFORE + MODEL_SITES_AFTER)
@@ -51,6 +52,8 @@ def check_sites(patterns: list[str], cfg, layers: list[int]) -> None:
         if not p:
             raise ParityError("--sites: an empty pattern; expected comma-separated glob patterns such as "
                               "'attention.*,mlp'")
+        if grads and p.startswith("grad"):
+            continue  # a weight gradient's name (the parameter names are known once the model loads)
         if not any(fnmatch.fnmatchcase(s, p) for s in universe):
             raise ParityError(f"--sites: pattern {p!r} matches no site of the dumped layers; expected glob patterns "
                               f"over the canonical site names ({', '.join(universe[:6])}, ... see parity/model/points.py)")
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"0..{cfg.num_hidden_layers - 1}")
         sites = [s.strip() for s in args.sites.split(",")] if args.sites is not None else None
         if sites is not None:
-            check_sites(sites, cfg, layers if layers is not None else list(range(cfg.num_hidden_layers)))
+            check_sites(sites, cfg, layers if layers is not None else list(range(cfg.num_hidden_layers)), args.grads)
         check_remote_code(args, ckpt)
         if args.no_progress:
             from transformers.utils import logging as hf_logging
