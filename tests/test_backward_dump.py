@@ -707,3 +707,25 @@ def test_grads_cli_with_sites_and_layers(tmp_path):
     with DumpReader(tmp_path / "x.h5") as d:
         bw = {p.site for p in d.points() if p.phase == "backward" and p.layer == 1}
         assert "input" in bw and "grad.mlp.gate.weight" in bw and "output" not in bw
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_point_stats_in_chunks_match_numpy(monkeypatch, dtype):
+    """Statistics of big arrays (--stats-only of the embedding / LM head gradients) are reduced in chunks to bound
+    memory: same values as numpy's one-pass reductions over the finite entries."""
+    import ml_dtypes
+
+    import parity.torch_ref.dump as dump_mod
+
+    monkeypatch.setattr(dump_mod, "STATS_CHUNK", 1000)
+    rng = np.random.default_rng(0)
+    a = (3 * rng.standard_normal((37, 301)) + 0.5).astype(np.float32)
+    a[3, 4], a[30, 7], a[11, 0] = np.nan, np.inf, -np.inf
+    arr = a.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else a
+    s = dump_mod.point_stats(arr)
+    x = arr.astype(np.float64)
+    f = x[np.isfinite(x)]
+    assert (s["shape"], s["dtype"], s["nan"], s["inf"]) == ([37, 301], dtype, 1, 2)
+    assert (s["min"], s["max"], s["absmax"]) == (f.min(), f.max(), np.abs(f).max())
+    assert s["mean"] == pytest.approx(f.mean(), rel=1e-12) and s["rms"] == pytest.approx(np.sqrt((f ** 2).mean()),
+                                                                                         rel=1e-12)

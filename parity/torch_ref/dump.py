@@ -84,8 +84,16 @@ class DumpSummary:
     kernels: dict | None = None  # the `kernels` root attr (parity.torch_ref.kernels.kernels_record)
 
 
+STATS_CHUNK = 1 << 24  # elements: larger float arrays get their statistics in chunks (see point_stats)
+
+
 def point_stats(arr: np.ndarray) -> dict:
-    """Per-point statistics for --stats-only dumps of huge models (no tensor is stored)."""
+    """Per-point statistics for --stats-only dumps of huge models (no tensor is stored). A float array of more than
+    STATS_CHUNK elements (a real vocabulary's logits, or the embedding / LM head gradients of --grads: 241 M elements
+    for Ling3-Tiny, ~6 GB of float64 temporaries at once) is reduced in chunks: same counts, min, max and absmax; mean
+    and rms summed chunk by chunk in float64 (rounding-level differences from the one-pass form)."""
+    if arr.size > STATS_CHUNK and (arr.dtype.kind == "f" or arr.dtype.name == "bfloat16"):
+        return _chunked_stats(arr)
     a = np.asarray(arr, dtype=np.float64) if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16" else arr
     finite = np.isfinite(a) if a.dtype.kind == "f" else np.ones(a.shape, bool)
     f = a[finite] if a.dtype.kind == "f" else a.ravel()
@@ -100,6 +108,26 @@ def point_stats(arr: np.ndarray) -> dict:
         "rms": float(np.sqrt(np.mean(np.square(f, dtype=np.float64)))) if f.size else 0.0,
         "absmax": float(np.abs(f).max()) if f.size else 0.0,
     }
+
+
+def _chunked_stats(arr: np.ndarray) -> dict:
+    flat = arr.reshape(-1)
+    nan = inf = n = 0
+    lo, hi, amax, total, squares = np.inf, -np.inf, 0.0, 0.0, 0.0
+    for start in range(0, flat.size, STATS_CHUNK):
+        a = np.asarray(flat[start:start + STATS_CHUNK], dtype=np.float64)
+        nan += int(np.isnan(a).sum())
+        inf += int(np.isinf(a).sum())
+        f = a[np.isfinite(a)]
+        if f.size:
+            n += f.size
+            lo, hi = min(lo, float(f.min())), max(hi, float(f.max()))
+            amax = max(amax, float(np.abs(f).max()))
+            total += float(f.sum())
+            squares += float(np.square(f).sum())
+    return {"shape": list(arr.shape), "dtype": str(arr.dtype), "nan": nan, "inf": inf,
+            "min": lo if n else 0.0, "max": hi if n else 0.0, "mean": total / n if n else 0.0,
+            "rms": float(np.sqrt(squares / n)) if n else 0.0, "absmax": amax}
 
 
 def check_batch(input_ids: np.ndarray) -> np.ndarray:
