@@ -40,8 +40,9 @@ def _int_at_least(lo: int):
     return parse
 
 
-def check_sites(patterns: list[str], cfg, layers: list[int]) -> None:
-    """Every --sites pattern must match a canonical site of the dumped layers (or a model-level site)."""
+def check_sites(patterns: list[str], cfg, layers: list[int], grads: bool = False) -> None:
+    """Every --sites pattern must match a canonical site of the dumped layers (or a model-level site); with --grads
+    also a weight gradient's site (`grad.<HF parameter name>`, e.g. 'grad.*' or 'grad.attention.*')."""
     from parity.model.points import MODEL_SITES_AFTER, MODEL_SITES_BEFORE, sites_for_config
 
     universe = list(MODEL_SITES_BEFORE + MODEL_SITES_AFTER)
@@ -51,6 +52,8 @@ def check_sites(patterns: list[str], cfg, layers: list[int]) -> None:
         if not p:
             raise ParityError("--sites: an empty pattern; expected comma-separated glob patterns such as "
                               "'attention.*,mlp'")
+        if grads and p.startswith("grad"):
+            continue  # a weight gradient's name (the parameter names are known once the model loads)
         if not any(fnmatch.fnmatchcase(s, p) for s in universe):
             raise ParityError(f"--sites: pattern {p!r} matches no site of the dumped layers; expected glob patterns "
                               f"over the canonical site names ({', '.join(universe[:6])}, ... see parity/model/points.py)")
@@ -138,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", help="layers to dump, e.g. 0-3,7 (default all)")
     p.add_argument("--sites", help="site glob patterns, comma-separated, e.g. 'attention.*,mlp' (default all)")
     p.add_argument("--stats-only", action="store_true", help="per-point statistics only, no tensors (huge models)")
+    p.add_argument("--grads", action="store_true",
+                   help="after the prefill, one backward pass of the next-token cross-entropy over the prompt (fp32, "
+                        "mean; the root attr `backward` records it) through the same runtime, written as the "
+                        "`backward` phase: the cotangent of every canonical site the runtime exposes as a live "
+                        "tensor, and every parameter's gradient under its HF name (grad.<name>); with --layers only "
+                        "those layers' backward points (the pass still runs through the whole model); decode steps "
+                        "are unchanged. Needs a prompt of at least 2 tokens")
     p.add_argument("--no-cache-snapshots", action="store_true", help="do not record KDA state from the cache")
     p.add_argument("--write-thread", choices=("auto", "on", "off"), default="auto",
                    help="compress + write on a worker thread overlapping the forward (auto: only off-CPU)")
@@ -242,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"0..{cfg.num_hidden_layers - 1}")
         sites = [s.strip() for s in args.sites.split(",")] if args.sites is not None else None
         if sites is not None:
-            check_sites(sites, cfg, layers if layers is not None else list(range(cfg.num_hidden_layers)))
+            check_sites(sites, cfg, layers if layers is not None else list(range(cfg.num_hidden_layers)), args.grads)
         check_remote_code(args, ckpt)
         if args.no_progress:
             from transformers.utils import logging as hf_logging
@@ -253,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
 
             check_native_supports(cfg, ckpt)  # before tokenizing or loading anything
         seqs = collect_ids(args, ckpt, cfg.vocab_size)
+        if args.grads and min(len(s) for s in seqs) < 2:
+            raise ParityError(f"--grads: a prompt of {min(len(s) for s in seqs)} token has no next-token target; "
+                              "the loss needs at least 2 tokens")
         for out in outs:
             for note in clean_stale_temp_files(out):
                 print(f"dump_hf: note: {note}", file=sys.stderr)
@@ -292,7 +305,7 @@ def _options(args, dtype: str, layers, sites):
         stats_only=args.stats_only, cache_snapshots=not args.no_cache_snapshots, force=args.force,
         write_thread={"auto": None, "on": True, "off": False}[args.write_thread], compression=args.compression,
         seed=args.seed, progress=not args.no_progress, trust_remote_code=args.trust_remote_code,
-        allow_tf32=args.allow_tf32, kda_chunk_precision=args.kda_chunk_precision,
+        allow_tf32=args.allow_tf32, kda_chunk_precision=args.kda_chunk_precision, grads=args.grads,
     )
 
 
