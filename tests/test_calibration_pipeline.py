@@ -39,7 +39,7 @@ def test_shipped_files_are_what_the_stored_measurements_give(stored):
     """Every generated file (the one calibration file, calibration.md, measurements.json) is exactly the pipeline's
     output on the stored measurements: nothing edited by hand, nothing stale."""
     meas, noise_meta, ex_meta = stored
-    files, _ = P.derive(meas, noise_meta, ex_meta, "python tools/calibrate.py rules")
+    files, _ = P.derive(meas, noise_meta, ex_meta, "python tools/calibrate.py rules", kernels=P.load_kernels(ROOT / P.MEASURED))
     assert sorted(map(str, files)) == sorted(map(str, [P.CALIBRATION, P.MEASURED / "calibration.md",
                                                        P.MEASURED / "measurements.json"]))
     stale = [str(rel) for rel, text in files.items() if (ROOT / rel).read_text(encoding="utf-8") != text]
@@ -58,6 +58,12 @@ def test_run_plan_is_the_recorded_corpus(stored):
     xspec = K.ExactnessSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in ex_meta["corpus"].items()})
     xplan = {f"{r.name}/s{r.seed}/T{r.prompt_len}" for r in K.exactness_runs(xspec)}
     assert xplan == {row["point"].split(":")[0] for row in meas.rows}
+    kernels = P.load_kernels(ROOT / P.MEASURED)
+    if kernels is not None:  # the real-kernel corpus: its recorded KernelSpec names exactly its stored runs
+        kmeas, kmeta = kernels
+        kspec = K.KernelSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in kmeta["corpus"].items()})
+        assert {r.corpus_id for r in K.kernel_runs(kspec)} == {p["corpus"] for p in kmeas.points}
+        assert {r.label for r in K.kernel_runs(kspec)} == {":".join(row["point"].split(":")[:2]) for row in kmeas.rows}
 
 
 def test_walk_makes_each_checkpoint_once_and_pairs_fp32_with_bf16(monkeypatch, tmp_path):
@@ -170,3 +176,22 @@ def test_kernel_sections_hold_only_what_the_real_kernels_widen():
     assert other.rule_for("attention.core", *key) == table.rule_for("attention.core", *key)  # base = no dump
     assert kernel.rule_for("mlp.down_proj", *key) == other.rule_for("mlp.down_proj", *key)
     assert any("kda_chunk_bf16 rule attn_core" in line for line in log)
+
+
+@pytest.mark.parametrize("matches", [True, False])
+def test_replay_session_resolves_conditional_rules_for_its_dump(matches):
+    """A replay session judges its dump by the conditional entries whose forks the dump records (the calibration of
+    real-kernel bf16 dumps), and by the base entries otherwise."""
+    from parity.dumpfile import DumpReader
+    from parity.numerics.tolerances import flatten, parse_calibration
+    from parity.replay import Session
+
+    dump = ROOT / "dumps" / "tiny-bf16.h5"
+    with DumpReader(dump) as r:
+        recorded = r.semantics["kda_chunk_precision"]
+    value = recorded if matches else "no-such-precision"
+    text = ('schema = "ling3-parity-calibration"\nversion = 1\nsections = ["k", "base"]\n'
+            f'[when.k]\nkda_chunk_precision = "{value}"\n[[k]]\nsite = "attention.state"\nmax_ulps = 64\n'
+            '[[base]]\nfloor_ulps = 1\nmax_ulps = 2\nallowed_fraction = 0.001\nhard_ulps = "off"\n')
+    with Session.open(dump, ROOT / "dumps" / "ckpt" / "tiny", rules=flatten(parse_calibration(text, "t"))) as s:
+        assert s.rules.rule_for("attention.state", "layer", "float32").max_ulps == (64 if matches else 2)

@@ -1,4 +1,4 @@
-"""Per-element safety bound (issue 14): derivation from the calibration corpus, the shipped safety_bounds.toml, and
+"""Per-element safety bound (issue 14): derivation from the calibration corpus, the safety_bounds section of the shipped calibration.toml, and
 planted finite garbage failing under the default table in every mode."""
 
 import gzip
