@@ -233,11 +233,19 @@ def test_shipped_calibration_sections_set_disjoint_fields():
     exactness_rates: inexact_row_rate, norm_scale_noise), so their lookup order cannot change any value."""
     from parity.numerics.tolerances import calibrated_sections
 
-    fields = {name: {f for e in t.entries for f, _ in e.fields} for name, t in calibrated_sections().items()}
-    assert list(fields) == ["tolerances", "safety_bounds", "exactness_rates"]
+    secs = calibrated_sections()
+    fields = {name: {f for e in t.entries for f, _ in e.fields} for name, t in secs.items()}
+    assert [n for n in fields if not n.startswith("kda_chunk_bf16_")] == ["tolerances", "safety_bounds",
+                                                                          "exactness_rates"]
     assert fields["safety_bounds"] == {"bound_rms"}
     assert fields["exactness_rates"] == {"inexact_row_rate", "norm_scale_noise"}
     assert not fields["tolerances"] & (fields["safety_bounds"] | fields["exactness_rates"])
+    # the real-kernel bf16 sections (where present) come first, set what their base section sets, and apply only to
+    # dumps recording kda_chunk_precision = bfloat16
+    for name in [n for n in fields if n.startswith("kda_chunk_bf16_")]:
+        base = name.removeprefix("kda_chunk_bf16_")
+        assert list(fields).index(name) < list(fields).index(base) and fields[name] <= fields[base], name
+        assert {e.when for e in secs[name].entries} <= {(("kda_chunk_precision", "bfloat16"),)}, name
 
 
 def test_conditional_section_applies_only_to_dumps_recording_its_forks():
