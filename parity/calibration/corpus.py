@@ -312,10 +312,14 @@ def _dump_with_real_kernels(ckpt: Path, path: Path, run: Run) -> None:
     r = DumpReader(path)
     try:
         paths = r.kernels.get("kda_paths", {})
+        chunk = (r.semantics or {}).get("kda_chunk_precision")
     finally:
         r.close()
     if not paths or set(paths.values()) != {"fla"}:  # observed at run time (parity.torch_ref.kernels)
         raise ValueError(f"real-kernel dump {path.name}: not every KDA call path ran fla's kernels: {paths}")
+    if run.dtype == "bfloat16" and chunk != "bfloat16":  # the condition its calibration sections are keyed on
+        raise ValueError(f"real-kernel dump {path.name}: semantics kda_chunk_precision {chunk!r}, expected "
+                         f"'bfloat16' (fla's chunk kernel in a bf16 run)")
 
 
 def _dump(ckpt: Path, path: Path, run: Run, runtime: str, out: Measurement, log: Log) -> None:
