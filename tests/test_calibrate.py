@@ -166,9 +166,9 @@ def test_rules_toml_round_trip_and_precedence():
 
 # ------------------------------------------------------------------------------------------------ the committed table
 def test_default_table_is_calibrated_and_loads():
-    text = resources.files("parity.numerics").joinpath("default_tolerances.toml").read_text(encoding="utf-8")
+    text = resources.files("parity.numerics").joinpath("calibration.toml").read_text(encoding="utf-8")
     assert "PROVISIONAL" not in text
-    assert "Calibrated by `python tools/calibrate.py" in text
+    assert text.startswith("# Calibrated numerics of ling3-parity") and "\n#   noise corpus: `python tools/calibrate.py" in text
     rules = default_rules()
     for site in ("attention.core", "mlp.gate.logits", "output", "logits", "attention.state"):
         for mode in ("layer", "forced", "free"):

@@ -36,11 +36,12 @@ def stored():
 
 @pytest.mark.slow
 def test_shipped_files_are_what_the_stored_measurements_give(stored):
-    """Every generated file (three tables, proposed table, calibration.md, measurements.json) is exactly the
-    pipeline's output on the stored measurements: nothing edited by hand, nothing stale."""
+    """Every generated file (the one calibration file, calibration.md, measurements.json) is exactly the pipeline's
+    output on the stored measurements: nothing edited by hand, nothing stale."""
     meas, noise_meta, ex_meta = stored
-    files, _ = P.derive(meas, noise_meta, ex_meta, "python tools/calibrate.py rules")
-    assert len(files) == 6
+    files, _ = P.derive(meas, noise_meta, ex_meta, "python tools/calibrate.py rules", kernels=P.load_kernels(ROOT / P.MEASURED))
+    assert sorted(map(str, files)) == sorted(map(str, [P.CALIBRATION, P.MEASURED / "calibration.md",
+                                                       P.MEASURED / "measurements.json"]))
     stale = [str(rel) for rel, text in files.items() if (ROOT / rel).read_text(encoding="utf-8") != text]
     assert not stale, f"regenerate with `python tools/calibrate.py rules`: {stale}"
     assert not any("after_nonbenign_flip" in p for p in meas.points)  # derive leaves the measurements as stored
@@ -57,6 +58,12 @@ def test_run_plan_is_the_recorded_corpus(stored):
     xspec = K.ExactnessSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in ex_meta["corpus"].items()})
     xplan = {f"{r.name}/s{r.seed}/T{r.prompt_len}" for r in K.exactness_runs(xspec)}
     assert xplan == {row["point"].split(":")[0] for row in meas.rows}
+    kernels = P.load_kernels(ROOT / P.MEASURED)
+    if kernels is not None:  # the real-kernel corpus: its recorded KernelSpec names exactly its stored runs
+        kmeas, kmeta = kernels
+        kspec = K.KernelSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in kmeta["corpus"].items()})
+        assert {r.corpus_id for r in K.kernel_runs(kspec)} == {p["corpus"] for p in kmeas.points}
+        assert {r.label for r in K.kernel_runs(kspec)} == {":".join(row["point"].split(":")[:2]) for row in kmeas.rows}
 
 
 def test_walk_makes_each_checkpoint_once_and_pairs_fp32_with_bf16(monkeypatch, tmp_path):
@@ -133,3 +140,58 @@ def test_calibrate_without_subcommand_forwards_the_recorded_commands():
     assert cal.legacy(["--from-points", "d", "--write-defaults"]) == ["rules", "--from", "d"]
     assert cal.legacy(["--from-points", "d", "--remeasure", "isolated", "--workdir", "w"]) == \
         ["corpus", "--remeasure", "isolated", "--workdir", "w"]
+
+
+def test_kernel_sections_hold_only_what_the_real_kernels_widen():
+    """The conditional sections of real-kernel bf16 dumps list exactly the per-site rules and bounds that pooling the
+    real-kernel corpus changes, and apply only to a dump recording kda_chunk_precision = bfloat16."""
+    from parity.calibration import bounds as B
+    from parity.calibration import rules as R
+    from parity.numerics.tolerances import flatten, parse_calibration
+    from tests.test_calibrate import _pt
+
+    def pt(site, need, corpus):
+        return dict(_pt(site=site, need_p999=need, corpus=corpus), grid="bfloat16")
+
+    base = [pt("attention.core", 3, "tiny/s1/T40/bf16"), pt("mlp.down_proj", 3, "tiny/s2/T40/bf16")]
+    kern = K.Measurement(points=[pt("attention.core", 40, "fla:tiny/s1/T160/bf16"),
+                                 pt("mlp.down_proj", 2, "fla:tiny/s1/T160/bf16"),
+                                 pt("mlp.down_proj", 900, "fla:tiny/s1/T160/fp32")])  # not a bf16 run: left out
+    rules, _ = R.propose_rules(base)
+    bounds = B.derive_bounds(base, 8)
+    kmeta = {"corpus": {"presets": ["tiny"], "seeds": [1], "prompt_lens": [160]}}
+    secs, log = P.derive_kernel_sections(base, rules, bounds, 8, [], kern, kmeta, R.SAFETY)
+    assert [name for name, _, _ in secs] == ["kda_chunk_bf16_tolerances", "kda_chunk_bf16_safety_bounds",
+                                             "kda_chunk_bf16_exactness_rates"]
+    for _, _, entries in secs[:2]:
+        assert 'site = "attention.core"' in entries and "mlp.down_proj" not in entries and 'site = "*"' not in entries
+    text = P.calibration_toml("# test", secs + [(R.SECTION, "", R.rules_entries(rules, R.SECTION)),
+                                                (B.SECTION, "", B.bounds_entries(bounds, B.SECTION))],
+                              {name: P.KERNEL_WHEN for name, _, _ in secs})
+    table = flatten(parse_calibration(text, "test"))
+    kernel, other = table.for_semantics(P.KERNEL_WHEN), table.for_semantics({"kda_chunk_precision": "float32"})
+    key = ("layer", "bfloat16", "bfloat16")
+    assert kernel.rule_for("attention.core", *key).floor_ulps > other.rule_for("attention.core", *key).floor_ulps
+    assert kernel.rule_for("attention.core", *key).bound_rms > other.rule_for("attention.core", *key).bound_rms
+    assert other.rule_for("attention.core", *key) == table.rule_for("attention.core", *key)  # base = no dump
+    assert kernel.rule_for("mlp.down_proj", *key) == other.rule_for("mlp.down_proj", *key)
+    assert any("kda_chunk_bf16 rule attn_core" in line for line in log)
+
+
+@pytest.mark.parametrize("matches", [True, False])
+def test_replay_session_resolves_conditional_rules_for_its_dump(matches):
+    """A replay session judges its dump by the conditional entries whose forks the dump records (the calibration of
+    real-kernel bf16 dumps), and by the base entries otherwise."""
+    from parity.dumpfile import DumpReader
+    from parity.numerics.tolerances import flatten, parse_calibration
+    from parity.replay import Session
+
+    dump = ROOT / "dumps" / "tiny-bf16.h5"
+    with DumpReader(dump) as r:
+        recorded = r.semantics["kda_chunk_precision"]
+    value = recorded if matches else "no-such-precision"
+    text = ('schema = "ling3-parity-calibration"\nversion = 1\nsections = ["k", "base"]\n'
+            f'[when.k]\nkda_chunk_precision = "{value}"\n[[k]]\nsite = "attention.state"\nmax_ulps = 64\n'
+            '[[base]]\nfloor_ulps = 1\nmax_ulps = 2\nallowed_fraction = 0.001\nhard_ulps = "off"\n')
+    with Session.open(dump, ROOT / "dumps" / "ckpt" / "tiny", rules=flatten(parse_calibration(text, "t"))) as s:
+        assert s.rules.rule_for("attention.state", "layer", "float32").max_ulps == (64 if matches else 2)

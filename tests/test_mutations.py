@@ -221,7 +221,7 @@ NOT_PINNED_TODAY = {  # (mutant, dtype, mode) -> why the default table does not 
                                                            "in layer mode, hiding the bf16 GEMM)",
 }
 # norm_stats_bf16 (layer 0's input norm statistics in bf16) is pinned in bf16 layer mode too: teacher forcing feeds
-# input_layernorm its dumped input, so the rounding check holds there as in isolated mode (exactness_rates.toml)
+# input_layernorm its dumped input, so the rounding check holds there as in isolated mode (the exactness_rates section of calibration.toml)
 
 
 def _fine_cases():

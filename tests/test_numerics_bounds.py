@@ -1,10 +1,9 @@
-"""Per-element safety bound (issue 14): derivation from the calibration corpus, the shipped safety_bounds.toml, and
+"""Per-element safety bound (issue 14): derivation from the calibration corpus, the safety_bounds section of the shipped calibration.toml, and
 planted finite garbage failing under the default table in every mode."""
 
 import gzip
 import json
 import math
-from importlib import resources
 from pathlib import Path
 
 import ml_dtypes
@@ -13,7 +12,7 @@ import pytest
 
 from parity.numerics import compare, default_rules
 from parity.calibration import bounds as B
-from parity.numerics.tolerances import _parse_text
+from parity.numerics.tolerances import calibrated_sections
 
 ROOT = Path(__file__).resolve().parents[1]
 POINTS = ROOT / "parity" / "numerics" / "calibration" / "points.json.gz"
@@ -47,9 +46,9 @@ def test_derive_bounds_is_safety_times_worst_in_rms_units():
 
 
 def test_shipped_bounds_match_the_corpus_and_the_tool(corpus):
-    """safety_bounds.toml is what the derivation gives on the shipped corpus (no hand edits), and every corpus
-    point is within its bound."""
-    shipped = _parse_text(resources.files("parity.numerics").joinpath(B.BOUNDS_FILE).read_text(), "shipped")
+    """The safety-bound section of calibration.toml is what the derivation gives on the shipped corpus (no hand
+    edits), and every corpus point is within its bound."""
+    shipped = calibrated_sections()[B.SECTION]
     safety = B.safety_from_growth(B.tail_growth(corpus))
     assert safety >= 2 * 4  # 2 for a third implementation × at least one doubling of the corpus at growth ≤ 4
     for b in B.derive_bounds(corpus, safety):

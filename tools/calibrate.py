@@ -4,13 +4,14 @@
     python tools/calibrate.py corpus [--seeds 1,2,3,4 --prompt-lens 40,160 --decode-steps 4 ...]
                                      [--exactness-seeds 1,2,3,4 --exactness-prompt-lens 24,100 ...] [--workdir W]
         build the corpus (random checkpoints, twin dumps, reference replays), store the measurements in
-        parity/numerics/calibration/ and write every generated file (as `rules`); --only noise|exactness walks one
-        of the two corpora and keeps the other's stored measurements; --remeasure MODES replays the noise corpus
-        kept in --workdir again in MODES instead of rebuilding it
+        parity/numerics/calibration/ and write the generated file (as `rules`); --only noise|exactness|kernels walks
+        one corpus and keeps the others' stored measurements (kernels: the real-kernel corpus, --kernel-seeds ...,
+        dumped with fla's Triton kernels by $LING3_TRITON_PYTHON or .venv-triton's Python); --remeasure MODES replays
+        the noise corpus kept in --workdir again in MODES instead of rebuilding it
     python tools/calibrate.py rules [--from parity/numerics/calibration] [--check]
-        re-derive from stored measurements: default_tolerances.toml (+ calibration/proposed_tolerances.toml,
-        calibration.md, measurements.json), safety_bounds.toml, exactness_rates.toml; --check writes nothing and
-        exits 1 naming every file that differs
+        re-derive from stored measurements: parity/numerics/calibration.toml (one header; sections tolerances,
+        safety_bounds, exactness_rates) and the reports calibration/calibration.md, calibration/measurements.json;
+        --check writes nothing and exits 1 naming every file that differs
     python tools/calibrate.py resolution [--dump D ...] [--modes layer,isolated] [--seeds 5] [--pairs 40] [--json F]
         detection resolution of each replay mode (markdown table; parity.calibration.resolution)
 """
@@ -59,7 +60,8 @@ def _write(files: dict[Path, str | bytes], root: Path) -> None:
 
 
 def _derive_and_write(meas: K.Measurement, noise_meta: dict, ex_meta: dict, command: str, a: argparse.Namespace) -> None:
-    files, log = P.derive(meas, noise_meta, ex_meta, command, a.safety, a.bounds_safety)
+    kernels = P.load_kernels(Path(a.out) / P.MEASURED) or P.load_kernels(ROOT / P.MEASURED)
+    files, log = P.derive(meas, noise_meta, ex_meta, command, a.safety, a.bounds_safety, kernels)
     print("\n".join(log))
     _write({**P.measured_files(meas, noise_meta, ex_meta), **files}, Path(a.out))
 
@@ -74,6 +76,21 @@ def cmd_corpus(a: argparse.Namespace, argv: list[str]) -> int:
                         native_seeds=_ints(a.native_seeds))
     xspec = K.ExactnessSpec(seeds=_ints(a.exactness_seeds), prompt_lens=_ints(a.exactness_prompt_lens),
                             decode_steps=a.exactness_decode_steps)
+    if a.only == "kernels":  # the real-kernel corpus: walked and stored on its own, then every file re-derived
+        kspec = K.KernelSpec(presets=_words(a.kernel_presets), seeds=_ints(a.kernel_seeds),
+                             prompt_lens=_ints(a.kernel_prompt_lens), dtypes=_words(a.kernel_dtypes),
+                             decode_steps=a.kernel_decode_steps, modes=_words(a.modes))
+        if not kspec.seeds:
+            raise ParityError("corpus --only kernels: --kernel-seeds is empty")
+        with tempfile.TemporaryDirectory(prefix="ling3-calib-") as tmp:
+            kmeas = K.walk(K.kernel_runs(kspec), Path(a.workdir or tmp), log=log)
+        kmeta = {"command": command, "date": today, "machine": R.machine(), "corpus": kspec.__dict__,
+                 "kernel_python": K.kernel_python(), "seconds": round(time.perf_counter() - t0, 1)}
+        _write(P.kernel_files(kmeas, kmeta), Path(a.out))  # stored before deriving: nothing measured is lost
+        meas, noise_meta, ex_meta = P.load(ROOT / P.MEASURED)
+        _derive_and_write(meas, noise_meta, ex_meta, command, a)
+        print(f"done in {time.perf_counter() - t0:.0f}s")
+        return 0
     stored = P.load(ROOT / P.MEASURED) if (a.only or a.remeasure) else None
     if a.remeasure:
         meas, noise_meta, ex_meta = stored
@@ -102,7 +119,8 @@ def cmd_corpus(a: argparse.Namespace, argv: list[str]) -> int:
 
 def cmd_rules(a: argparse.Namespace, argv: list[str]) -> int:
     meas, noise_meta, ex_meta = P.load(Path(a.from_))
-    files, log = P.derive(meas, noise_meta, ex_meta, _command(argv), a.safety, a.bounds_safety)
+    files, log = P.derive(meas, noise_meta, ex_meta, _command(argv), a.safety, a.bounds_safety,
+                          P.load_kernels(Path(a.from_)))
     print("\n".join(log))
     if a.check:
         stale = [str(rel) for rel, text in files.items() if (Path(a.out) / rel).read_text(encoding="utf-8") != text]
@@ -153,8 +171,16 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--exactness-seeds", default=",".join(map(str, x.seeds)))
     c.add_argument("--exactness-prompt-lens", default=",".join(map(str, x.prompt_lens)))
     c.add_argument("--exactness-decode-steps", type=int, default=x.decode_steps)
-    c.add_argument("--only", choices=("noise", "exactness"), default=None,
-                   help="walk one corpus only; the other's stored measurements are kept")
+    k = K.KernelSpec()
+    c.add_argument("--kernel-presets", default=",".join(k.presets))
+    c.add_argument("--kernel-seeds", default=",".join(map(str, k.seeds)),
+                   help="seeds of the real-kernel corpus (fla's Triton kernels, --only kernels)")
+    c.add_argument("--kernel-prompt-lens", default=",".join(map(str, k.prompt_lens)))
+    c.add_argument("--kernel-dtypes", default=",".join(k.dtypes))
+    c.add_argument("--kernel-decode-steps", type=int, default=k.decode_steps)
+    c.add_argument("--only", choices=("noise", "exactness", "kernels"), default=None,
+                   help="walk one corpus only; the others' stored measurements are kept (kernels: dumped by "
+                        "$LING3_TRITON_PYTHON or .venv-triton's Python, under TRITON_INTERPRET=1 without CUDA)")
     c.add_argument("--remeasure", default=None,
                    help="replay the noise corpus kept in --workdir again in these modes (comma-separated) and "
                         "replace their stored points (the corpus is unchanged)")

@@ -43,8 +43,8 @@ Why a bound in multiples of the row's RMS, and why no correct implementation exc
 
 Checked against the calibration corpus (`check_points`: every point within its bound, by construction — a test guards
 the shipped file against drift) and the no-false-alarm sweep (tests/test_no_false_alarms.py, out-of-sample seeds).
-Written as `safety_bounds.toml` by `python tools/calibrate.py rules` (parity.calibration.pipeline); `default_rules()` merges it with the
-calibrated table (no entry there sets `bound_rms`).
+Written as the `safety_bounds` section of parity/numerics/calibration.toml by `python tools/calibrate.py rules`
+(parity.calibration.pipeline); `default_rules()` reads it with the calibrated rules (no entry there sets `bound_rms`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ MIN_ULPS = 4  # smallest bound, in ULPs of the row RMS on the measured grid (a g
 UNIT = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23}  # max ulp(x)/x of a normal x: 2^(1-p)
 # measured mode -> the mode group whose bound it informs (pairs of correct implementations; module docstring)
 SOURCES = {"layer": "layer", "forced": "layer", "isolated": "layer", "free": "free", "twin_vs_native": "free"}
-BOUNDS_FILE = "safety_bounds.toml"
+SECTION = "safety_bounds"  # its section of the calibration file
 
 
 def nice_up(x: float) -> float:
@@ -160,23 +160,31 @@ def check_points(points: Iterable[dict], rules: Any) -> list[tuple[float, str]]:
     return sorted(out, reverse=True)
 
 
-def _entry(site: str, mode: str, dtype: str, compute: str, bound: float, note: str) -> str:
-    return (f'[[rule]]\nsite = "{site}"\nmode = "{mode}"\ndtype = "{dtype}"\ncompute = "{compute}"\n'
+def _entry(site: str, mode: str, dtype: str, compute: str, bound: float, note: str, table: str) -> str:
+    return (f'[[{table}]]\nsite = "{site}"\nmode = "{mode}"\ndtype = "{dtype}"\ncompute = "{compute}"\n'
             f'bound_rms = {bound!r}\nnote = "{note}"\n')
 
 
 def render_toml(bounds: list[Bound], header: str) -> str:
-    """The bounds as a tolerance file that sets only `bound_rms`: per site (free entries, then every other mode),
+    """The bounds as a stand-alone tolerance file ([[rule]] entries after `header`)."""
+    return "\n".join([header.rstrip("\n"), "", 'schema = "ling3-parity-tolerances"', "version = 1", "",
+                      bounds_entries(bounds)])
+
+
+def bounds_entries(bounds: list[Bound], table: str = "rule", catch_alls: bool = True) -> str:
+    """The bounds as `[[table]]` entries that set only `bound_rms`: per site (free entries, then every other mode),
     then per-tier catch-alls (the loosest class of the tier), then one last catch-all per mode for what the corpus
     never measured (fp16, callers without a compute dtype)."""
-    lines = [header.rstrip("\n"), "", 'schema = "ling3-parity-tolerances"', "version = 1", ""]
+    lines = []
     order = sorted(bounds, key=lambda b: (b.mode != "free", b.cls, b.dtype, b.compute))
     for b in order:
         lines.append(f"# {b.cls} · {b.mode} · {b.dtype} tensors · compute {b.compute}: worst |Δ| ≤ "
                      f"{b.worst_rms:.3g}×row RMS over {b.n_points} points, at {b.worst_at}")
         for s in b.sites:
             lines.append(_entry(s, "free" if b.mode == "free" else "*", b.dtype, b.compute, b.bound_rms,
-                                f"safety bound: {b.cls}, {b.mode}"))
+                                f"safety bound: {b.cls}, {b.mode}", table))
+    if not catch_alls:
+        return "\n".join(lines) + "\n"
     tiers: dict[tuple, Bound] = {}
     for b in bounds:
         k = (b.mode, b.dtype, b.compute)
@@ -185,15 +193,15 @@ def render_toml(bounds: list[Bound], header: str) -> str:
     for (mode, dtype, compute), b in sorted(tiers.items(), key=lambda kv: (kv[0][0] != "free", kv[0])):
         lines.append(f"# catch-all · {mode} · {dtype} · compute {compute}: the loosest class of the tier ({b.cls})")
         lines.append(_entry("*", "free" if mode == "free" else "*", dtype, compute, b.bound_rms,
-                            f"safety bound: catch-all, {mode}"))
+                            f"safety bound: catch-all, {mode}", table))
     for mode in ("free", "layer"):
         loosest = max((b.bound_rms for b in bounds if b.mode == mode), default=None)
         if loosest is not None:
             lines.append(f"# not measured (fp16, no compute dtype given): the loosest {mode} bound of the corpus")
-            lines.append(f'[[rule]]\nmode = "{"free" if mode == "free" else "*"}"\nbound_rms = {loosest!r}\n'
+            lines.append(f'[[{table}]]\nmode = "{"free" if mode == "free" else "*"}"\nbound_rms = {loosest!r}\n'
                          f'note = "safety bound: unmeasured catch-all, {mode}"\n')
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["Bound", "BOUNDS_FILE", "MIN_ULPS", "SAFETY", "SOURCES", "UNIT", "check_points", "derive_bounds",
-           "nice_up", "render_toml", "safety_from_growth", "tail_growth", "worst_rms"]
+__all__ = ["Bound", "MIN_ULPS", "SAFETY", "SECTION", "SOURCES", "UNIT", "bounds_entries", "check_points",
+           "derive_bounds", "nice_up", "render_toml", "safety_from_growth", "tail_growth", "worst_rms"]

@@ -9,7 +9,11 @@ A corpus is a list of `Run`s (one dump each). A run measures
   - `exactness`: an isolated replay counting the rows that are not bit-identical, and per RMSNorm point the row-scale
     noise its rounding check needs (`replay_rows`) -> `Measurement.rows`.
 Runs of one checkpoint and prompt length in both bf16 and fp32 (noise runs) are also compared with each other
-(`twin_fp32_vs_bf16`). `noise_runs` and `exactness_runs` give the two recorded corpora (CorpusSpec, ExactnessSpec);
+(`twin_fp32_vs_bf16`). A run with `kernels = "fla"` is dumped with fla's real Triton kernels (`--no-cpu-kernels`) in
+a separate Python that has triton (`kernel_python`; under Triton's interpreter, TRITON_INTERPRET=1, where there is no
+CUDA device), and replayed here like any other: that is the real-kernel corpus (KernelSpec), whose bf16 dumps record
+`kda_chunk_precision = bfloat16` (the chunk kernel's bf16 intermediates) and are replayed following it.
+`noise_runs`, `exactness_runs` and `kernel_runs` give the three recorded corpora (CorpusSpec, ExactnessSpec, KernelSpec);
 they keep their own dump recipes (prompt lengths, decode steps, dump seed), so the walk puts them in separate folders
 and the measurements of each stay what the recorded commands produced.
 """
@@ -32,6 +36,9 @@ from parity.model.points import site_class
 Log = Callable[[str], None]
 NOCLAMP = "tiny-flash-noclamp"  # tiny-flash without SwiGLU clamp: the built-in bailing_hybrid has none
 EXACTNESS_DIR = "exactness"  # sub-folder of the workdir holding the exactness corpus
+KERNELS_DIR = "kernels"  # sub-folder of the workdir holding the real-kernel corpus
+# the Python that dumps real-kernel runs: one with triton (the main environment has none, .ci/run's triton step)
+KERNEL_PYTHON_ENV = "LING3_TRITON_PYTHON"
 ROW_COUNT_RULE = ToleranceRule(floor_ulps=0, max_ulps=0, allowed_fraction=1.0, hard_ulps=None)  # only the row counts
 
 
@@ -59,6 +66,20 @@ class ExactnessSpec:
 
 
 @dataclass(frozen=True)
+class KernelSpec:
+    """The real-kernel corpus: twin checkpoints dumped with fla's real Triton kernels (bf16: the chunk kernel's bf16
+    intermediates, recorded as the `kda_chunk_precision` fork), replayed by the reference in `modes`; its isolated
+    bf16 replays also count exactness rows. Empty `seeds`: no real-kernel corpus."""
+
+    presets: tuple[str, ...] = ("tiny", "tiny-flash")
+    seeds: tuple[int, ...] = ()
+    prompt_lens: tuple[int, ...] = (40, 160)  # ≤ 64: fused_recurrent_kda; > 64: chunk_kda (bf16 intermediates)
+    dtypes: tuple[str, ...] = ("bfloat16",)
+    decode_steps: int = 4
+    modes: tuple[str, ...] = ("layer", "free", "isolated")
+
+
+@dataclass(frozen=True)
 class Run:
     """One corpus dump and what is measured on it (module docstring)."""
 
@@ -73,14 +94,20 @@ class Run:
     exactness: bool = False
     dump_seed: int = 0  # DumpOptions.seed: the exactness corpus was recorded with the run's seed, the noise corpus 0
     causality_check: bool = False  # the exactness corpus was recorded with the dump's causality check on
+    kernels: str = ""  # "" = in this process (the stand-ins where fla's kernels cannot run); "fla" = real kernels
 
     @property
     def tag(self) -> str:
         return "fp32" if self.dtype == "float32" else "bf16"
 
     @property
+    def label(self) -> str:
+        """name/seed/prompt length, prefixed `fla:` for a real-kernel run."""
+        return f"{'fla:' if self.kernels else ''}{self.name}/s{self.seed}/T{self.prompt_len}"
+
+    @property
     def corpus_id(self) -> str:
-        return f"{self.name}/s{self.seed}/T{self.prompt_len}/{self.tag}"
+        return f"{self.label}/{self.tag}"
 
     @property
     def ckpt_name(self) -> str:
@@ -117,6 +144,13 @@ def exactness_runs(spec: ExactnessSpec) -> list[Run]:
     """The exactness corpus in walk order: seed × prompt length, bf16, isolated replays."""
     return [Run(preset_of(seed), seed, T, "bfloat16", spec.decode_steps, folder=EXACTNESS_DIR, exactness=True,
                 dump_seed=seed, causality_check=True) for seed in spec.seeds for T in spec.prompt_lens]
+
+
+def kernel_runs(spec: KernelSpec) -> list[Run]:
+    """The real-kernel corpus in walk order: checkpoint × prompt length × dtype, dumped with fla's real kernels."""
+    return [Run(name, seed, T, dtype, spec.decode_steps, folder=KERNELS_DIR, noise_modes=tuple(spec.modes),
+                exactness=dtype == "bfloat16" and "isolated" in spec.modes, kernels="fla")
+            for name in spec.presets for seed in spec.seeds for T in spec.prompt_lens for dtype in spec.dtypes]
 
 
 def _config_of(name: str) -> Any:
@@ -227,17 +261,78 @@ def replay_rows(dump: Path, ckpt: Path, label: str) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------ the walk
-def _dump(ckpt: Path, path: Path, run: Run, runtime: str, out: Measurement, log: Log) -> None:
+def dump_run(ckpt: str, path: str, run_fields: str, runtime: str = "remote") -> None:
+    """Dump one run (its `Run` fields as JSON) in this process; `kernels = "fla"` asks for fla's real kernels (no
+    stand-ins). `_dump` calls it in `kernel_python` for real-kernel runs."""
+    import json
+
     from parity.torch_ref.dump import DumpOptions, dump_checkpoint
     from parity.torch_ref.prompts import builtin_ids
 
-    t0 = time.perf_counter()
+    run = Run(**json.loads(run_fields))
     ids = builtin_ids(512, run.prompt_len, seed=run.seed)  # 512: the tiny presets' vocabulary
-    dump_checkpoint(ckpt, path, ids, DumpOptions(runtime=runtime, dtype=run.dtype, decode_steps=run.decode_steps,
-                                                 progress=False, force=True, seed=run.dump_seed,
-                                                 causality_check=run.causality_check))
+    dump_checkpoint(Path(ckpt), Path(path), ids,
+                    DumpOptions(runtime=runtime, dtype=run.dtype, decode_steps=run.decode_steps, progress=False,
+                                force=True, seed=run.dump_seed, causality_check=run.causality_check,
+                                cpu_kernels=False if run.kernels == "fla" else None))
+
+
+def kernel_python() -> str:
+    """The Python that dumps real-kernel runs: $LING3_TRITON_PYTHON, else .ci/run's .venv-triton (or
+    $LING3_TRITON_VENV) of the repository."""
+    import os
+
+    if os.environ.get(KERNEL_PYTHON_ENV):
+        return os.environ[KERNEL_PYTHON_ENV]
+    venv = Path(os.environ.get("LING3_TRITON_VENV", Path(__file__).resolve().parents[2] / ".venv-triton"))
+    return str(venv / "bin" / "python")
+
+
+def _dump_with_real_kernels(ckpt: Path, path: Path, run: Run) -> None:
+    import dataclasses
+    import json
+    import os
+    import subprocess
+
+    py = kernel_python()
+    if not Path(py).exists():
+        raise ValueError(f"real-kernel run {run.corpus_id}: no Python with triton at {py} (set ${KERNEL_PYTHON_ENV} "
+                         f"or make .venv-triton as .ci/run does)")
+    env = dict(os.environ)
+    env.setdefault("TRITON_INTERPRET", "1")  # no effect where a CUDA device runs the kernels
+    code = "import sys; from parity.calibration.corpus import dump_run; dump_run(*sys.argv[1:])"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([py, "-c", code, str(ckpt), str(path), json.dumps(dataclasses.asdict(run))], cwd=root,
+                          env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ValueError(f"real-kernel dump {path.name} failed ({py}, exit {proc.returncode}): "
+                         f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'no output'}")
+    from parity.dumpfile import DumpReader
+
+    r = DumpReader(path)
+    try:
+        paths = r.kernels.get("kda_paths", {})
+        chunk = (r.semantics or {}).get("kda_chunk_precision")
+    finally:
+        r.close()
+    if not paths or set(paths.values()) != {"fla"}:  # observed at run time (parity.torch_ref.kernels)
+        raise ValueError(f"real-kernel dump {path.name}: not every KDA call path ran fla's kernels: {paths}")
+    if run.dtype == "bfloat16" and chunk != "bfloat16":  # the condition its calibration sections are keyed on
+        raise ValueError(f"real-kernel dump {path.name}: semantics kda_chunk_precision {chunk!r}, expected "
+                         f"'bfloat16' (fla's chunk kernel in a bf16 run)")
+
+
+def _dump(ckpt: Path, path: Path, run: Run, runtime: str, out: Measurement, log: Log) -> None:
+    import dataclasses
+    import json
+
+    t0 = time.perf_counter()
+    if run.kernels == "fla":
+        _dump_with_real_kernels(ckpt, path, run)
+    else:
+        dump_run(str(ckpt), str(path), json.dumps(dataclasses.asdict(run)), runtime)
     if run.noise_modes:  # the exactness corpus never recorded its steps' times
-        out.runs.append({"what": f"dump {runtime} {path.name}", "seconds": round(time.perf_counter() - t0, 1)})
+        out.runs.append({"what": f"dump {runtime}{' fla' if run.kernels else ''} {path.name}", "seconds": round(time.perf_counter() - t0, 1)})
     log(f"dumped {path.name} ({runtime}) in {time.perf_counter() - t0:.1f}s")
 
 
@@ -256,7 +351,7 @@ def measure_run(run: Run, ckpt: Path, folder: Path, out: Measurement, log: Log =
         _dump(ckpt, npath, run, "native", out, log)
         measure_dump_pair(path, npath, "twin_vs_native", run.corpus_id, out)
     if run.exactness:
-        recs = replay_rows(path, ckpt, f"{run.name}/s{run.seed}/T{run.prompt_len}")
+        recs = replay_rows(path, ckpt, run.label)
         log(f"{run.name} seed {run.seed} T={run.prompt_len}: {len(recs)} points, "
             f"{sum(r['inexact'] for r in recs)} inexact rows of {sum(r['rows'] for r in recs)}")
         out.rows += recs
@@ -317,6 +412,6 @@ def remeasure(meas: Measurement, workdir: Path, modes: Sequence[str], log: Log =
     return out
 
 
-__all__ = ["CorpusSpec", "EXACTNESS_DIR", "ExactnessSpec", "Measurement", "NOCLAMP", "ROW_COUNT_RULE", "Run",
-           "exactness_runs", "measure_dump_pair", "measure_replay", "measure_run", "noise_runs", "preset_of",
+__all__ = ["CorpusSpec", "EXACTNESS_DIR", "ExactnessSpec", "KERNELS_DIR", "KernelSpec", "Measurement", "NOCLAMP",
+           "ROW_COUNT_RULE", "Run", "dump_run", "exactness_runs", "kernel_python", "kernel_runs", "measure_dump_pair", "measure_replay", "measure_run", "noise_runs", "preset_of",
            "remeasure", "replay_rows", "walk"]

@@ -20,6 +20,7 @@ from typing import Iterable
 
 from parity.numerics import exactness
 
+SECTION = "exactness_rates"  # its section of the calibration file
 MIN_POINTS = 20  # a class with fewer corpus points gets no rate (no criterion rather than a guessed one)
 MAX_RATE = 0.5  # a class whose correct rows are inexact this often gains nothing from the test: left off
 SCALE_MARGIN = 4.0  # norm_scale_noise = this × the largest a corpus point needed (two steps of the grid above it) ...
@@ -62,10 +63,17 @@ def derive_scale_noise(records: Iterable[dict]) -> dict[str, tuple[float | None,
 
 
 def rates_toml(rates: dict, header: str, scale_noise: dict | None = None) -> str:
-    """The generated file: one rule per site with its class's `inexact_row_rate` and, for RMSNorm sites, the
+    """The rates as a stand-alone tolerance file ([[rule]] entries after `header`)."""
+    return "\n".join([header.rstrip(), "", 'schema = "ling3-parity-tolerances"', "version = 1", "",
+                      rates_entries(rates, scale_noise)])
+
+
+def rates_entries(rates: dict, scale_noise: dict | None = None, table: str = "rule",
+                  teacher_forced: bool = True) -> str:
+    """`[[table]]` entries: one per site with its class's `inexact_row_rate` and, for RMSNorm sites, the
     `norm_scale_noise` of `derive_scale_noise`."""
     scale_noise = scale_noise or {}
-    lines = [header.rstrip(), "", 'schema = "ling3-parity-tolerances"', "version = 1", ""]
+    lines = []
     for cls, (d, sites) in rates.items():
         if d is None:
             lines.append(f"# {cls}: no rate (fewer than {MIN_POINTS} corpus points, or correct rows inexact at a "
@@ -81,21 +89,21 @@ def rates_toml(rates: dict, header: str, scale_noise: dict | None = None) -> str
         for site in sites:
             c, why_c = scale_noise.get(site, (None, ""))
             lines += [f"# {site}: norm_scale_noise from {why_c}"] if c is not None else []
-            lines += ["[[rule]]", f'site = "{site}"', 'mode = "isolated"', 'dtype = "bfloat16"',
+            lines += [f"[[{table}]]", f'site = "{site}"', 'mode = "isolated"', 'dtype = "bfloat16"',
                       'compute = "bfloat16"', f"inexact_row_rate = {exactness.nice_rate(d.rate):.2g}"]
             lines += [f"norm_scale_noise = {c:g}"] if c is not None else []
             lines += [f'note = "exactness rate: {cls}, isolated"', ""]
     # one pooled value for every RMSNorm (derive_scale_noise): MTP's enorm / hnorm, which isolated replays (the
     # corpus) never run, take it too — the same formula
     values = {c for c, _ in scale_noise.values() if c is not None}
-    if len(values) == 1:
+    if len(values) == 1 and teacher_forced:
         c = values.pop()
         lines += ["# Teacher forcing (layer, forced modes) feeds these norms their dumped inputs as isolated mode does, so",
                   "# their rounding check holds there with the same value (the replay supplies it only where the input",
                   "# is the dump's: never in free mode). MTP's enorm / hnorm have no corpus points (isolated replays do",
                   "# not run MTP layers): the value pooled over every RMSNorm of the corpus, the same formula."]
         for site in TEACHER_FORCED_NORMS:
-            lines += ["[[rule]]", f'site = "{site}"', 'mode = "*"', 'dtype = "bfloat16"', 'compute = "bfloat16"',
+            lines += [f"[[{table}]]", f'site = "{site}"', 'mode = "*"', 'dtype = "bfloat16"', 'compute = "bfloat16"',
                       f"norm_scale_noise = {c:g}", 'note = "rounding check: teacher-forced input"', ""]
     return "\n".join(lines) + "\n"
 

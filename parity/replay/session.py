@@ -198,7 +198,9 @@ class Session:
             except Exception as e:  # an adapter's own failure: one line naming the target and the call
                 raise TargetError(f"target {getattr(tgt, 'name', type(tgt).__name__)!r}: build({reader.path.name} "
                                   f"config, {dtype}) raised {type(e).__name__}: {_first_line(e)}") from None
-            s = cls(dump=reader, ckpt=ckpt, target=tgt, rules=rules or default_rules(), mode=mode, dtype=dtype,
+            # conditional entries (the calibration's sections for recorded semantic forks) resolved for this dump
+            rules = (rules or default_rules()).for_semantics(reader.semantics)
+            s = cls(dump=reader, ckpt=ckpt, target=tgt, rules=rules, mode=mode, dtype=dtype,
                     watchdog=watchdog, semantics=semantics, strict_variants=strict_variants)
         except BaseException:
             if owned:

@@ -163,9 +163,10 @@ def encode_arrays(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
     return stored, notes
 
 
-def point_rule(report: dict, cfg_dtype: str, mode: str, point: Point, dump_dtype: str) -> dict:
+def point_rule(report: dict, cfg_dtype: str, mode: str, point: Point, dump_dtype: str,
+               semantics: dict | None = None) -> dict:
     """The tolerance rule of the point in the repro's mode: the default table with the report's recorded
-    `tolerances` (file, overrides) merged over it, looked up as the judge does."""
+    `tolerances` (file, overrides) merged over it, resolved for the dump's `semantics`, looked up as the judge does."""
     from parity.numerics.tolerances import default_rules, load_rules, parse_overrides
 
     rules = default_rules()
@@ -174,7 +175,7 @@ def point_rule(report: dict, cfg_dtype: str, mode: str, point: Point, dump_dtype
         rules = rules.merged(load_rules(tol["file"]))
     if tol.get("overrides"):
         rules = rules.merged(parse_overrides(tol["overrides"], source="--parity-tol"))
-    return rules.rule_for(point.site, mode, dump_dtype, cfg_dtype).to_dict()
+    return rules.for_semantics(semantics).rule_for(point.site, mode, dump_dtype, cfg_dtype).to_dict()
 
 
 # ------------------------------------------------------------------------------------------ report.json keys
@@ -276,7 +277,7 @@ def make_bundle(report: dict, out_dir: str | Path, *, point: str | None = None, 
             "layer": pt.layer, "site": pt.site, "mode": chosen, "target": spec,
             "semantic_options": reference_options(reader.semantics, intended=intended),
             "dtype": compute, "config": json.loads(reader.meta["config_json"]),
-            "rule": point_rule(report, compute, chosen, pt, reader.dtype(pt)),
+            "rule": point_rule(report, compute, chosen, pt, reader.dtype(pt), reader.semantics),
             "forced_routing": chosen == "layer" and report.get("mode") == "forced",
             "report": report_path, "dump": str(dump_path), "checkpoint": str(ckpt_dir),
             "report_mode": report.get("mode"), "report_target": report.get("target"),
