@@ -1,6 +1,7 @@
 """The bundled golden dumps (`dumps/*.h5`): what they hold and the exact command that regenerates each.
 
-Both presets, bf16 and fp32, prefill + 4 decode steps. Between them the prompts cover ≤ 64 tokens (the official KDA's
+Both presets, bf16 and fp32, prefill + 4 decode steps; the three > 64-token goldens (fp32 and bf16, twin and official)
+also hold the backward phase (`--grads`, issue 26), so the chunked KDA's backward is replayed by default. Between them the prompts cover ≤ 64 tokens (the official KDA's
 recurrent kernel) and > 64 tokens (its chunked kernel), for each preset (DESIGN §4).
 `tools/golden_dumps.py` regenerates them and rewrites `dumps/MANIFEST.json`; `tests/test_golden_dumps.py` checks that
 regeneration gives identical tensors on the kind of CPU that made them (each MANIFEST entry's `machine`): torch's
@@ -54,6 +55,7 @@ class Golden:
     dtype: str  # "bf16" | "fp32"
     prompt_len: int
     runtime: str = "twin"  # "twin": the bundled directory as is; "official": its weights + the official modeling file
+    grads: bool = False  # with the backward phase (`dump_hf.py --grads`, issue 26)
 
     def ckpt_dir(self) -> str:
         """The directory dump_hf reads (relative to the repository root for the twin)."""
@@ -64,7 +66,7 @@ class Golden:
         trust = ["--trust-remote-code"] if self.runtime == "official" else []
         return [str(ckpt_dir or self.ckpt_dir()), *trust, "--out", str(out or f"dumps/{self.file}"), "--prompt-len",
                 str(self.prompt_len), "--decode-steps", str(DECODE_STEPS), "--dtype", self.dtype, "--seed", str(SEED),
-                "--force", "--no-progress"]
+                "--force", "--no-progress", *(["--grads"] if self.grads else [])]
 
     def prepare_command(self, ckpt_dir: str | Path | None = None) -> list[str] | None:
         """make_ckpt.py arguments that rebuild the official-runtime checkpoint (None for the twin). Same preset, seed
@@ -82,10 +84,10 @@ class Golden:
 
 GOLDEN = (
     Golden("tiny-bf16.h5", "tiny", "bf16", 40),
-    Golden("tiny-fp32.h5", "tiny", "fp32", 100),
-    Golden("tiny-flash-bf16.h5", "tiny-flash", "bf16", 100),
+    Golden("tiny-fp32.h5", "tiny", "fp32", 100, grads=True),
+    Golden("tiny-flash-bf16.h5", "tiny-flash", "bf16", 100, grads=True),
     Golden("tiny-flash-fp32.h5", "tiny-flash", "fp32", 40),
-    Golden("tiny-flash-official-bf16.h5", "tiny-flash", "bf16", 100, runtime="official"),
+    Golden("tiny-flash-official-bf16.h5", "tiny-flash", "bf16", 100, runtime="official", grads=True),
 )
 
 
