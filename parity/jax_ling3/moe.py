@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from parity.jax_ling3 import ops
 from parity.jax_ling3.ops import dot_f32, linear, matmul_f32, silu
+from parity.jax_ling3.probes import differentiating, tap
 from parity.jax_ling3.spec import LayerSpec, ModelSpec
 
 F32 = jnp.float32
@@ -41,10 +42,11 @@ def swiglu(g: jnp.ndarray, u: jnp.ndarray, limit: float | None) -> jnp.ndarray:
 
 def dense_mlp(p: dict, x: jnp.ndarray, limit: float | None = None, prefix: str = "mlp."):
     """down(swiglu(gate x, up x)) (facts §5.6); p: gate_proj/up_proj [D,I], down_proj [I,D]. Returns (y, points)."""
-    g = linear(x, p["gate_proj"])
-    u = linear(x, p["up_proj"])
-    y = linear(swiglu(g, u, limit), p["down_proj"])
-    return y, {f"{prefix}gate_proj": g, f"{prefix}up_proj": u, f"{prefix}down_proj": y}
+    pts: dict = {}
+    g = tap(pts, f"{prefix}gate_proj", linear(x, p["gate_proj"]))
+    u = tap(pts, f"{prefix}up_proj", linear(x, p["up_proj"]))
+    y = tap(pts, f"{prefix}down_proj", linear(swiglu(g, u, limit), p["down_proj"]))
+    return y, pts
 
 
 def router_logits(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
@@ -76,7 +78,7 @@ def routing_weights(logits: jnp.ndarray, idx: jnp.ndarray, m: ModelSpec) -> jnp.
 def route(x: jnp.ndarray, w_router: jnp.ndarray, bias: jnp.ndarray, m: ModelSpec, forced_idx=None):
     """(logits fp32 [...,E], ids int32 [...,k], weights fp32 [...,k]); `forced_idx` replaces the selection
     (forced routing: same weight maths on the given experts, DESIGN §6)."""
-    logits = router_logits(x, w_router)
+    logits = tap({}, "mlp.gate.logits", router_logits(x, w_router))  # probe: dL/dlogits (issue 26)
     idx = select_experts(logits, bias, m) if forced_idx is None else jnp.asarray(forced_idx).astype(jnp.int32)
     return logits, idx, routing_weights(logits, idx, m)
 
@@ -178,7 +180,9 @@ ROUTED_IMPL = "blocked"
 def routed_experts(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, limit: float | None) -> jnp.ndarray:
     """Σ_i w_i · Expert_{e_i}(x), expert outputs in the activation dtype, weighted sum in fp32, cast once (facts §5.5).
     p: experts_gate/up [E,D,I], experts_down [E,I,D]; x [N,D]; idx/w [N,k]. Dispatches on `ROUTED_IMPL`."""
-    if ROUTED_IMPL == "dense":
+    if ROUTED_IMPL == "dense" or differentiating():
+        # the blocked loop's trip counts depend on the routing (a while loop), which reverse-mode AD cannot go through
+        # (issue 26): a backward trace takes the dense form, same maths per (token, expert) row
         return routed_experts_dense(p, x, idx, w, limit)
     return routed_experts_blocked(p, x, idx, w, limit)
 
@@ -191,12 +195,15 @@ def moe_block(p: dict, x: jnp.ndarray, spec: LayerSpec, forced_idx=None):
     logits, idx, w = route(x, p["router"], p["expert_bias"], m, forced_idx)
     order = jnp.argsort(idx, axis=-1)
     idx, w = jnp.take_along_axis(idx, order, -1), jnp.take_along_axis(w, order, -1)
+    pts: dict = {"mlp.gate.logits": logits, "mlp.gate.topk_idx": idx}
+    w = tap(pts, "mlp.gate.topk_weight", w)
     routed = routed_experts(p, x.reshape(B * T, D), idx.reshape(B * T, -1), w.reshape(B * T, -1),
                             spec.routed_limit).reshape(B, T, D)
-    pts = {"mlp.gate.logits": logits, "mlp.gate.topk_idx": idx, "mlp.gate.topk_weight": w, "mlp.routed": routed}
+    routed = tap(pts, "mlp.routed", routed)
     y = routed
     if m.has_shared:
-        sh, _ = dense_mlp({k: p[f"shared_{k}"] for k in ("gate_proj", "up_proj", "down_proj")}, x, spec.shared_limit)
-        pts["mlp.shared_experts"] = sh
+        sh, _ = dense_mlp({k: p[f"shared_{k}"] for k in ("gate_proj", "up_proj", "down_proj")}, x, spec.shared_limit,
+                          prefix="mlp.shared_experts.")  # its own names: never tapped as a dense layer's sites
+        sh = tap(pts, "mlp.shared_experts", sh)
         y = routed + sh
     return y, pts

@@ -703,15 +703,28 @@ class MutantTarget(ReferenceTarget):
                 self._jit = layer.decoder_layer_jit
                 return self._jit
 
-            def mutated_layer(p, h, positions, spec, state=None, forced_idx=None):  # fresh object per instance
-                with patched(patches):
-                    return layer.decoder_layer(p, h, positions, spec, state, forced_idx)
-
             from parity.jax_ling3 import REFERENCE_COMPILER_OPTIONS
 
-            self._jit = jax.jit(mutated_layer, static_argnames=("spec",),
+            self._jit = jax.jit(self._layer_pure_fn(), static_argnames=("spec",),
                                 compiler_options=REFERENCE_COMPILER_OPTIONS)
         return self._jit
+
+    def _layer_pure_fn(self):
+        """The patched layer function, un-jitted: `_layer_fn` jits it, the backward differentiates it (so every
+        mutant applies to the backward too, and a backward-only mutant's patches reach the VJP)."""
+        if getattr(self, "_pure", None) is None:
+            from parity.jax_ling3 import layer
+
+            patches = self.mutation.patches()
+            if not patches:
+                self._pure = layer.decoder_layer
+            else:
+                def mutated_layer(p, h, positions, spec, state=None, forced_idx=None, probes=None):  # fresh object
+                    with patched(patches):
+                        return layer.decoder_layer(p, h, positions, spec, state, forced_idx, probes)
+
+                self._pure = mutated_layer
+        return self._pure
 
     def _isolated_fn(self):
         """Isolated mode: the reference's site functions traced with the same patches, plus the mutation's own
