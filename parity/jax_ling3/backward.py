@@ -76,9 +76,14 @@ def head_backward(final_norm_w, lm_head, h, d_logits, eps: float):
     return {"input": dh, "final_norm": dx, "final_norm_w": dw, "lm_head": dlm}
 
 
-@jax.jit
-def embed_backward(emb: jnp.ndarray, ids: jnp.ndarray, d_embed: jnp.ndarray) -> jnp.ndarray:
+@partial(jax.jit, static_argnames=("pad_id",))
+def embed_backward(emb: jnp.ndarray, ids: jnp.ndarray, d_embed: jnp.ndarray, pad_id: int | None = None) -> jnp.ndarray:
     """Grad of the embedding table [V,D] from dL/d(embedding output): the VJP of `model.embed` (a scatter-add over
-    repeated ids)."""
+    repeated ids). The official `word_embeddings` is `nn.Embedding(V, D, padding_idx=pad_token_id)`, whose backward
+    leaves the padding row's gradient zero (torch semantics of `padding_idx`): positions holding `pad_id` contribute
+    nothing (found by tests/test_backward_replay.py: a prompt with id 0 in the tiny checkpoints, pad_token_id 0)."""
+    d = d_embed.astype(emb.dtype)
+    if pad_id is not None:
+        d = jnp.where((ids == pad_id)[..., None], jnp.zeros((), d.dtype), d)
     _, vjp = jax.vjp(lambda e: embed(e, ids), emb)
-    return vjp(d_embed.astype(emb.dtype))[0]
+    return vjp(d)[0]

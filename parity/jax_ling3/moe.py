@@ -161,6 +161,49 @@ def routed_experts_blocked(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.nda
     return jnp.einsum("nkd,nk->nd", y, w.astype(F32), precision=HI).astype(dt)
 
 
+def routed_experts_blocked_static(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, limit: float | None,
+                                  block: int | None = None) -> jnp.ndarray:
+    """`routed_experts_blocked` with a static trip count, so reverse-mode AD can go through it (issue 26): the same
+    row blocks, the same per-block GEMMs and the same write order (experts ascending, blocks ascending within an
+    expert), run as one `lax.scan` over a static upper bound of blocks, A // Bs + E + 1 (each used expert wastes < 1
+    block). Block j's expert and first row come from a block table built from the counts; blocks past the last used
+    one write into the Bs spare rows (discarded). Same bits as the blocked loop (tests/test_backward_replay.py)."""
+    dt = x.dtype
+    N, D = x.shape
+    k = idx.shape[-1]
+    E = p["experts_gate"].shape[0]
+    A = N * k
+    Bs = block or block_rows(A, E)
+    e_flat = idx.reshape(A).astype(jnp.int32)
+    order = jnp.argsort(e_flat, stable=True)
+    tok = jnp.concatenate([order // k, jnp.zeros((Bs,), order.dtype)])
+    up = (lambda a: a) if ops.NATIVE_BF16_MATMUL else _upcast_cpu
+    xs = up(x[tok])
+    counts = jnp.bincount(e_flat, length=E)
+    seg_start = jnp.cumsum(counts) - counts
+    nblk = (counts + Bs - 1) // Bs
+    blk_end = jnp.cumsum(nblk)  # blocks of experts 0..e
+    NB = A // Bs + E + 1
+    j = jnp.arange(NB)
+    e_j = jnp.minimum(jnp.searchsorted(blk_end, j, side="right"), E - 1).astype(jnp.int32)
+    valid = j < blk_end[-1]
+    r0 = jnp.where(valid, seg_start[e_j] + (j - (blk_end[e_j] - nblk[e_j])) * Bs, A)  # spare rows when past the end
+
+    def body(buf, blk):
+        e, r = blk
+        wg, wu, wd = (up(p[n][e].astype(dt)) for n in ("experts_gate", "experts_up", "experts_down"))
+        xb = jax.lax.dynamic_slice_in_dim(xs, r, Bs)
+        g = matmul_f32(xb, wg).astype(dt)
+        u = matmul_f32(xb, wu).astype(dt)
+        y = matmul_f32(up(swiglu(g, u, limit)), wd).astype(dt)
+        return jax.lax.dynamic_update_slice_in_dim(buf, y.astype(F32), r, axis=0), None
+
+    ys, _ = jax.lax.scan(body, jnp.zeros((A + Bs, D), F32), (e_j, r0))
+    inv = jnp.argsort(order)
+    y = ys[inv].reshape(N, k, D)
+    return jnp.einsum("nkd,nk->nd", y, w.astype(F32), precision=HI).astype(dt)
+
+
 def _upcast_cpu(a: jnp.ndarray) -> jnp.ndarray:
     """bf16 -> fp32 on CPU by moving the 16 bits up (exact: a bf16 is the top half of its fp32), else unchanged.
 
@@ -180,10 +223,12 @@ ROUTED_IMPL = "blocked"
 def routed_experts(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, limit: float | None) -> jnp.ndarray:
     """Σ_i w_i · Expert_{e_i}(x), expert outputs in the activation dtype, weighted sum in fp32, cast once (facts §5.5).
     p: experts_gate/up [E,D,I], experts_down [E,I,D]; x [N,D]; idx/w [N,k]. Dispatches on `ROUTED_IMPL`."""
-    if ROUTED_IMPL == "dense" or differentiating():
-        # the blocked loop's trip counts depend on the routing (a while loop), which reverse-mode AD cannot go through
-        # (issue 26): a backward trace takes the dense form, same maths per (token, expert) row
+    if ROUTED_IMPL == "dense":
         return routed_experts_dense(p, x, idx, w, limit)
+    if differentiating():
+        # the blocked loop's trip counts depend on the routing (a while loop), which reverse-mode AD cannot go through
+        # (issue 26): a backward trace runs the same blocks with a static trip count
+        return routed_experts_blocked_static(p, x, idx, w, limit)
     return routed_experts_blocked(p, x, idx, w, limit)
 
 

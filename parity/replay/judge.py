@@ -54,7 +54,7 @@ def _judge(session, obs: Observation) -> PointRecord:
         ref, test = obs.transform.apply(ref, test)
     if test.shape != ref.shape:
         return shape_mismatch(point, ref.shape, test.shape)
-    rule = session.rules.rule_for(_base(point.site), session.mode, dump.dtype(point), session.dtype)
+    rule = session.rules.rule_for(rule_site(point), session.mode, dump.dtype(point), session.dtype)
     v = compare(ref, test, rule, name=point.key())
     stats = v.to_dict()
     if obs.transform is not None:
@@ -161,6 +161,14 @@ def _base(site: str) -> str:
     entry of their own and take the tier's catch-all (the loosest calibrated class)."""
     m = mtp_site(site)
     return site if m is None else m[1]
+
+
+def rule_site(point: Point) -> str:
+    """The site name the tolerance rules are looked up by: `_base(site)`, and for the backward phase
+    `backward/<site>` (gradients have their own rules, parity/numerics/gradient_tolerances.toml: gradient noise is
+    not activation noise)."""
+    base = _base(point.site)
+    return f"backward/{base}" if point.phase == "backward" else base
 
 
 def _with(rec: PointRecord, obs: Observation) -> PointRecord:

@@ -236,8 +236,9 @@ class ReferenceTarget(Target):
 
         from parity.jax_ling3.backward import embed_backward
 
+        pad = getattr(self.cfg, "pad_token_id", None)
         return np.asarray(embed_backward(self.globals["embed"], jnp.asarray(input_ids, jnp.int32),
-                                         jnp.asarray(d_embed)))
+                                         jnp.asarray(d_embed), pad_id=None if pad is None else int(pad)))
 
     def loss_backward(self, logits: np.ndarray, input_ids: np.ndarray) -> tuple[float, np.ndarray]:
         import jax.numpy as jnp
