@@ -27,11 +27,11 @@ def _stats(ref: np.ndarray, test: np.ndarray, grid: str) -> dict:
 
     r = to_dtype(ref, grid).astype(np.float64)
     t = to_dtype(test, grid).astype(np.float64)
-    r2 = r.reshape(-1, r.shape[-1]) if r.ndim else r.reshape(1, 1)
+    r2 = r.reshape(1, -1)  # one row: the backward judge floors gradients at the tensor's RMS (judge.judge_array)
     t2 = t.reshape(r2.shape)
     rms = np.sqrt(np.mean(r2 * r2, axis=-1, keepdims=True))
     u = ulp_of(rms, grid)
-    d = np.abs(r2 - t2) / u  # |Δ| in ULPs of the row RMS (the floor's unit)
+    d = np.abs(r2 - t2) / u  # |Δ| in ULPs of the tensor's RMS (the floor's unit)
     raw = ulp_distance(to_dtype(ref, grid), to_dtype(test, grid), grid).reshape(r2.shape).astype(np.float64)
     over_rtol = np.abs(r2 - t2) > RTOL * np.abs(r2)
     need = float(d[over_rtol].max()) if over_rtol.any() else 0.0  # floor an rtol rule needs
