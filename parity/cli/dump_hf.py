@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", help="layers to dump, e.g. 0-3,7 (default all)")
     p.add_argument("--sites", help="site glob patterns, comma-separated, e.g. 'attention.*,mlp' (default all)")
     p.add_argument("--stats-only", action="store_true", help="per-point statistics only, no tensors (huge models)")
+    p.add_argument("--grads", action="store_true",
+                   help="after the prefill, one backward pass of the next-token cross-entropy over the prompt (fp32, "
+                        "mean; the root attr `backward` records it) through the same runtime, written as the "
+                        "`backward` phase: the cotangent of every canonical site the runtime exposes as a live "
+                        "tensor, and every parameter's gradient under its HF name (grad.<name>); with --layers only "
+                        "those layers' backward points (the pass still runs through the whole model); decode steps "
+                        "are unchanged. Needs a prompt of at least 2 tokens")
     p.add_argument("--no-cache-snapshots", action="store_true", help="do not record KDA state from the cache")
     p.add_argument("--write-thread", choices=("auto", "on", "off"), default="auto",
                    help="compress + write on a worker thread overlapping the forward (auto: only off-CPU)")
@@ -253,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
 
             check_native_supports(cfg, ckpt)  # before tokenizing or loading anything
         seqs = collect_ids(args, ckpt, cfg.vocab_size)
+        if args.grads and min(len(s) for s in seqs) < 2:
+            raise ParityError(f"--grads: a prompt of {min(len(s) for s in seqs)} token has no next-token target; "
+                              "the loss needs at least 2 tokens")
         for out in outs:
             for note in clean_stale_temp_files(out):
                 print(f"dump_hf: note: {note}", file=sys.stderr)
@@ -292,7 +302,7 @@ def _options(args, dtype: str, layers, sites):
         stats_only=args.stats_only, cache_snapshots=not args.no_cache_snapshots, force=args.force,
         write_thread={"auto": None, "on": True, "off": False}[args.write_thread], compression=args.compression,
         seed=args.seed, progress=not args.no_progress, trust_remote_code=args.trust_remote_code,
-        allow_tf32=args.allow_tf32, kda_chunk_precision=args.kda_chunk_precision,
+        allow_tf32=args.allow_tf32, kda_chunk_precision=args.kda_chunk_precision, grads=args.grads,
     )
 
 

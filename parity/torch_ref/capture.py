@@ -275,6 +275,10 @@ class Capture:
         self._running: dict[str, list[int]] = {}  # function name -> stack of layers whose module is running
         self._fn_specs: dict[str, list[tuple[int | None, TapSpec]]] = {}  # function name -> what it feeds
         self.specs = map_specs(map_name, _observer_available())
+        # (phase/step/layer, "mlp.gate.topk") -> the canonical top-k order applied to that point (see _pair_topk)
+        self.topk_order: dict[AnyPoint, np.ndarray] = {}
+        # called with every tensor emitted in the prefill when set (the --grads recorder, parity/torch_ref/backward.py)
+        self.grad_watch: Callable[..., None] | None = None
 
     # ---------------------------------------------------------------- selection
     def wants(self, layer: int | None, site: str) -> bool:
@@ -509,7 +513,19 @@ class Capture:
 
     def emit(self, layer: int | None, site: str, t: torch.Tensor, *, module: str, io: str) -> None:
         point = self.point(layer, site)
-        arr = to_numpy(t)
+        if self.grad_watch is not None and self.phase == "prefill":
+            # --grads: the backward recorder registers a tensor hook on a live tensor (parity/torch_ref/backward.py)
+            self.grad_watch(layer, site, t, module=module, io=io)
+        arr, shape_names = self.canonical(point, to_numpy(t), module=module)
+        if site in ("mlp.gate.topk_idx", "mlp.gate.topk_weight"):
+            self._pair_topk(point, site, arr, module)
+            return
+        self._deliver(point, arr, module=module, io=io, shape_names=shape_names)
+
+    def canonical(self, point: AnyPoint, arr: np.ndarray, *, module: str) -> tuple[np.ndarray, str]:
+        """A captured array (or its cotangent) reshaped to the point's canonical shape: (array, shape_names)."""
+        layer = point.mtp + self.cfg.num_hidden_layers if isinstance(point, MtpPoint) else point.layer
+        site = point.site
         shape_names = ""
         n = self.cfg.num_hidden_layers
         # MTP layers have the shapes of an MLA + MoE layer (facts §2); their model-level sites (embed, logits) those
@@ -529,10 +545,7 @@ class Capture:
             arr = arr.reshape(shape)
         elif arr.ndim == 2 and arr.shape[0] == self.batch * self.seq:
             arr = arr.reshape(self.batch, self.seq, arr.shape[1])  # flat [B*T, D] (built-in / official MoE experts)
-        if site in ("mlp.gate.topk_idx", "mlp.gate.topk_weight"):
-            self._pair_topk(point, site, arr, module)
-            return
-        self._deliver(point, arr, module=module, io=io, shape_names=shape_names)
+        return arr, shape_names
 
     def _pair_topk(self, point: AnyPoint, site: str, arr: np.ndarray, module: str) -> None:
         """Write top-k ids and weights in canonical order (ascending expert id per token), once both arrived."""
@@ -544,6 +557,7 @@ class Capture:
         idx, w = slot["mlp.gate.topk_idx"], slot["mlp.gate.topk_weight"]
         order = np.argsort(idx, axis=-1, kind="stable")
         del self._pending_topk[key]
+        self.topk_order[key] = order  # the backward recorder orders topk_weight's cotangent alike
         for s, a in (("mlp.gate.topk_idx", np.take_along_axis(idx, order, -1).astype(np.int32)),
                      ("mlp.gate.topk_weight", np.take_along_axis(w, order, -1))):
             self._deliver(_with_site(point, s), a, module=module, io="output", shape_names="B,T,K")

@@ -14,7 +14,7 @@ import platform
 import queue
 import threading
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -27,6 +27,8 @@ from parity.errors import ParityError
 from parity.model.mtp_points import mtp_group
 from parity.model.points import Point
 from parity.torch_ref import fla_cpu
+from parity.torch_ref.backward import (CotangentRecorder, grad_point, hf_param_grads, lift_no_grad_methods, loss_record,
+                                       next_token_ce)
 from parity.torch_ref.capture import Capture, runtime_map_name, to_numpy
 from parity.torch_ref.kernels import KernelObserver, fp32_matmul_policy, kernels_record
 
@@ -62,6 +64,9 @@ class DumpOptions:
     # how the fla stand-ins' chunk_kda rounds its intermediates: "fp32" (the maths) or "kernel" (fla's chunked bf16
     # rounding points, parity.torch_ref.fla_cpu); recorded as the `kda_chunk_precision` fork. No effect on real fla.
     kda_chunk_precision: str = "fp32"
+    # issue 26: after the prefill, one backward pass of the next-token CE (parity.torch_ref.backward) recorded as the
+    # `backward` phase (cotangents at the canonical sites, weight gradients under HF names); decode steps unchanged
+    grads: bool = False
 
 
 @dataclass
@@ -391,6 +396,8 @@ def dump_checkpoint(
         raise ParityError(
             f"--continuation has {len(opts.continuation_ids)} ids but --decode-steps is {opts.decode_steps}"
         )
+    if opts.grads and ids.shape[1] < 2:
+        raise ParityError(f"--grads: the prompt has {ids.shape[1]} token; the next-token loss needs at least 2")
     determinism = _determinism(opts.seed)
     cfg = Ling3Config.from_pretrained_dir(ckpt_dir, strict=False)
     layers = sorted(set(opts.layers)) if opts.layers is not None else list(range(cfg.num_hidden_layers))
@@ -483,6 +490,12 @@ def dump_checkpoint(
                         if cap.wants(i, site):
                             unavailable[f"L{i:02d}/{site}"] = cap.unexposed_reason(site, i)
                 all_tokens = [ids]
+                recorder = CotangentRecorder(cap, sink).attach() if opts.grads else None
+                lifted = stack.enter_context(lift_no_grad_methods(model)) if opts.grads else []
+                if recorder is not None:
+                    stack.callback(recorder.detach)  # hooks and the stand-ins' observer out, also on a failure
+                    if map_name == "twin":
+                        recorder.observe_kernel_gate(model)
                 progress = _progress(opts.progress, (1 + opts.decode_steps) * len(layers))
                 with cap, torch.no_grad():
                     if want_mtp:
@@ -501,14 +514,27 @@ def dump_checkpoint(
                     guard_calls, guard_hooks = (record_guarded_calls(model, cfg) if opts.causality_check
                                                 else ({}, []))
                     try:
-                        out = model(input_ids=t_ids, position_ids=pos[None].expand(B, T), cache_position=pos,
-                                    attention_mask=torch.ones(B, T, dtype=torch.long, device=device), use_cache=True)
+                        # --grads: the prefill runs with autograd on (same forward, same bits: tests/
+                        # test_backward_dump.py); its backward follows at once, every later step is no_grad again
+                        with torch.enable_grad() if opts.grads else nullcontext():
+                            out = model(input_ids=t_ids, position_ids=pos[None].expand(B, T), cache_position=pos,
+                                        attention_mask=torch.ones(B, T, dtype=torch.long, device=device),
+                                        use_cache=True)
                     finally:
                         for h in guard_hooks:
                             h.remove()
                     pkv = out.past_key_values
                     _snapshot(cap, sink, written, pkv, cfg, layers, "prefill", 0, opts)
                     logits = out.logits
+                    if recorder is not None:
+                        with torch.enable_grad():
+                            backward_meta = run_backward(model, map_name, cfg, cap, recorder, sink, logits, t_ids,
+                                                         opts)
+                        recorder.detach()
+                        if lifted:
+                            backward_meta["no_grad_lifted"] = lifted  # (the official moe_infer, backward.py)
+                        writer.set_meta("backward", backward_meta)
+                        logits = logits.detach()
                     for k in range(1, opts.decode_steps + 1):
                         if opts.continuation_ids is not None:
                             nxt = torch.full((B, 1), int(opts.continuation_ids[k - 1]), device=device)
@@ -552,6 +578,10 @@ def dump_checkpoint(
             missing = [p.key() for s in steps for p in cap.missing(*s, mtp=mtp_ran)]
             for key in missing:
                 unavailable[key] = "hook registered but did not fire"
+            if recorder is not None:
+                for p in cap.missing("prefill", 0, mtp=False):
+                    unavailable[f"backward/{p.key().split('/', 1)[1]}"] = "no forward tensor (the hook did not fire)"
+                unavailable.update(recorder.unavailable())
             # a site the map lacks may still have come from the cache snapshot (KDA conv_state): then it is not
             # unavailable
             got = {f"{p.h5_parts()[1]}/{p.site}" for p in written if p.phase == "prefill"}
@@ -618,6 +648,28 @@ class BackgroundWriter:
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+def run_backward(model, map_name: str, cfg: Ling3Config, cap: Capture, recorder: CotangentRecorder, sink, logits,
+                 input_ids: torch.Tensor, opts: DumpOptions) -> dict:
+    """The backward pass of --grads (parity.torch_ref.backward): loss on the prefill's logits, L.backward() (the
+    recorder's tensor hooks write the cotangents as they arrive), then every parameter's gradient under its HF name.
+    Returns the root attr `backward`. Gradients are released after (the decode steps need none)."""
+    lf = logits.float()  # the same tensor when the runtime already returns fp32 logits
+    recorder.watch_logits(lf)
+    loss = next_token_ce(lf, input_ids)
+    try:
+        loss.backward()
+        for hf_name, _p, g in hf_param_grads(model, map_name):
+            point = grad_point(hf_name, cfg.num_hidden_layers)
+            if point is not None and cap.wants(point.layer, point.site):
+                sink(point, to_numpy(g), {"module": f"parameter {hf_name}", "io": "output", "shape_names": ""})
+    finally:
+        for p in model.parameters():
+            p.grad = None
+    B, T = input_ids.shape
+    grad_dtype = "bfloat16" if DTYPES[opts.dtype] == torch.bfloat16 else "float32"
+    return loss_record(float(loss.detach()), B * (T - 1), grad_dtype, opts.stats_only)
 
 
 def _snapshot(cap: Capture, sink, written: set, pkv, cfg, layers, phase, step, opts: DumpOptions) -> None:
