@@ -177,7 +177,9 @@ def routed_experts_blocked_static(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: 
     e_flat = idx.reshape(A).astype(jnp.int32)
     order = jnp.argsort(e_flat, stable=True)
     tok = jnp.concatenate([order // k, jnp.zeros((Bs,), order.dtype)])
-    up = (lambda a: a) if ops.NATIVE_BF16_MATMUL else _upcast_cpu
+    # the same values as `_upcast_cpu`'s bit shift (bf16 -> fp32 is exact), but a convert, which AD goes through
+    up = (lambda a: a) if ops.NATIVE_BF16_MATMUL else (
+        lambda a: a.astype(F32) if a.dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else a)
     xs = up(x[tok])
     counts = jnp.bincount(e_flat, length=E)
     seg_start = jnp.cumsum(counts) - counts
