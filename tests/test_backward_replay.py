@@ -225,3 +225,35 @@ def test_layer_vjp_helper_on_a_port_function():
     np.testing.assert_allclose(np.asarray(dh), g @ W.T + g * (1 - np.tanh(x) ** 2), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(dp["w"]), x[0].T @ g[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(dpr["proj"]), g, rtol=0, atol=0)
+
+
+def test_backward_first_divergence_and_order():
+    """Backward order (after the forward; head, then layers last to first, each from its output cotangent back to
+    its input) and the source rule: a layer's backward point failing while its backward inputs (the cotangents of
+    the sites consuming its tensor) pass is where the error starts — here attention.b_proj of layer 0, whose only
+    consumer attention.beta passes, although input_layernorm and input fail after it."""
+    from parity.jax_ling3.weights import CheckpointReader
+    from parity.model.points import backward_inputs, backward_sites, Point
+    from parity.reporting.report import first_divergence, order_key
+
+    cfg = CheckpointReader(CKPTS["tiny"]).config
+    recs = [{"phase": "backward", "step": 0, "layer": i, "site": s, "status": "pass"}
+            for i in range(cfg.num_hidden_layers) for s in backward_sites(cfg, i)]
+    recs += [{"phase": "prefill", "step": 0, "layer": 0, "site": "input", "status": "pass"},
+             {"phase": "backward", "step": 0, "layer": None, "site": "logits", "status": "pass"}]
+    for r in recs:
+        if r["phase"] == "backward" and r["layer"] == 0 and r["site"] in (
+                "attention.b_proj", "grad.attention.b_proj.weight", "input_layernorm", "input",
+                "grad.input_layernorm.weight"):
+            r["status"] = "fail"
+    fd = first_divergence(cfg, recs)
+    assert (fd["source"]["phase"], fd["source"]["layer"], fd["source"]["site"]) == ("backward", 0, "attention.b_proj")
+    ordered = sorted(recs, key=lambda r: order_key(cfg, r))
+    keys = [(r["phase"], r["layer"], r["site"]) for r in ordered]
+    assert keys[0] == ("prefill", 0, "input") and keys[1] == ("backward", None, "logits")
+    assert keys.index(("backward", 7, "output")) < keys.index(("backward", 7, "input")) < \
+        keys.index(("backward", 6, "output"))
+    assert keys.index(("backward", 0, "attention.beta")) < keys.index(("backward", 0, "attention.b_proj")) < \
+        keys.index(("backward", 0, "grad.attention.b_proj.weight")) < keys.index(("backward", 0, "input"))
+    assert backward_inputs(cfg, Point("backward", 0, 3, "output")) == [Point("backward", 0, 4, "input")]
+    assert Point("backward", 0, 0, "attention.beta") in backward_inputs(cfg, Point("backward", 0, 0, "attention.b_proj"))
