@@ -45,6 +45,7 @@ def main() -> None:
         if cfg.is_moe(i):
             hk = lay.mlp.gate.tap_topk_idx.register_forward_hook(lambda m, x, o: topk.__setitem__("idx", o))
         times = []
+        print(f"layer {i}: twin backward ...", file=__import__("sys").stderr, flush=True)
         for _ in range(a.reps):
             x = h.clone().requires_grad_(True)
             lay.zero_grad(set_to_none=True)
@@ -55,6 +56,7 @@ def main() -> None:
         if hk is not None:
             hk.remove()
         fi = None if "idx" not in topk else np.sort(topk["idx"].numpy(), -1).astype(np.int32)
+        print(f"layer {i}: twin {times}; JAX ...", file=__import__("sys").stderr, flush=True)
         t.load_layer(i, r.hf_tensors(i))
         hn = h.float().numpy() if a.dtype == "float32" else h.view(torch.int16).numpy().view("bfloat16")
         cn = cot.float().numpy() if a.dtype == "float32" else cot.view(torch.int16).numpy().view("bfloat16")

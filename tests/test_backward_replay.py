@@ -7,11 +7,14 @@ the contract's loss and reads every cotangent with plain torch hooks (`retain_gr
 weight gradients from `param.grad`. Each JAX layer is then teacher-forced as the replay does it: the twin's layer
 input, its output cotangent, routing forced to the twin's top-k.
 
-fp32 criterion: per-tensor rel-L2 ≤ 1e-5 (the fp32 tier, DESIGN §5), except the KDA decay-gradient chain
-(`DECAY_PATH`) ≤ 1e-4: dL/d gate, and what is computed from it (f_proj's cotangent and weight grad, A_log, dt_bias,
-both sums over T·d terms of both signs), measured up to 4.1e-5 (tiny, T=80, A_log of 4 heads) and 1.8e-5 (T=130,
-f_proj) with no bug (every other tensor ≤ 1e-5, median ~1e-6; `python tests/measure_grad_noise.py`). Zero tensors
-(experts no token chose) must be exactly zero on both sides.
+fp32 criterion (per tensor rel-L2): 1e-5 (the fp32 tier, DESIGN §5) for MLA layers and the model-level VJPs
+(measured ≤ 7.1e-7 and ≤ 3.3e-7); 1e-4 for every point of a KDA layer, whose backward runs through the VJP of the
+T-step delta-rule recurrence (JAX's chunked WY form vs the twin's own chunked form), where cancellation amplifies
+fp32 rounding: measured worst 4.1e-5 (tiny, T=80, seed 0: grad.attention.A_log, 4 heads), 2.6e-5 (tiny-flash, T=100,
+seed 13, A_log), 2.3e-5 (same, attention.q_conv1d), over tiny / tiny-flash × T 40, 80, 100, 130 × 9 seeds
+(`tests/measure_grad_rel_l2.py`); the limit is 2× the worst, rounded up. A bug is far above either: the
+bw_kda_beta_detached mutant as the JAX side fails 30 of 648 tensors, with rel-L2 up to 1. Zero tensors (experts no
+token chose) must be exactly zero on both sides.
 """
 
 from __future__ import annotations
@@ -27,9 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parents[1]
 CKPTS = {"tiny": ROOT / "dumps/ckpt/tiny", "tiny-flash": ROOT / "dumps/ckpt/tiny-flash"}
 REL = 1e-5
-REL_DECAY = 1e-4
-DECAY_PATH = ("attention.gate", "attention.f_proj", "grad.attention.f_proj.weight", "grad.attention.A_log",
-              "grad.attention.dt_bias")
+REL_KDA = 1e-4
 
 
 def rel_l2(ref, test) -> float:
@@ -41,8 +42,8 @@ def rel_l2(ref, test) -> float:
     return float(np.linalg.norm(r - t) / n)
 
 
-def _limit(site: str) -> float:
-    return REL_DECAY if site in DECAY_PATH else REL
+def _limit(kind: str) -> float:
+    return REL_KDA if kind == "kda" else REL
 
 
 @pytest.fixture(scope="module", params=[("tiny", 100, 3), ("tiny-flash", 100, 4), ("tiny", 40, 5)],
@@ -73,6 +74,7 @@ def test_layer_vjp_matches_twin_autograd(twin_and_jax):
     tb, res, _ = twin_and_jax
     bad, n = [], 0
     for i, b in enumerate(res):
+        kind = tb.config.layer_kind(i)
         assert set(b.param_grads) == set(tb.param_grads[i]), f"layer {i}: weight gradient names differ: " \
             f"{sorted(set(b.param_grads) ^ set(tb.param_grads[i]))}"
         pairs = [("input", tb.grads[i]["input"], b.input_grad)]
@@ -85,8 +87,8 @@ def test_layer_vjp_matches_twin_autograd(twin_and_jax):
             assert np.asarray(test).shape == np.asarray(ref).shape, f"layer {i} {site}: shape {np.shape(test)} vs " \
                 f"{np.shape(ref)}"
             e = rel_l2(ref, test)
-            if not e <= _limit(site):
-                bad.append(f"L{i} {site}: rel-L2 {e:.3g} > {_limit(site):g}")
+            if not e <= _limit(kind):
+                bad.append(f"L{i} ({kind}) {site}: rel-L2 {e:.3g} > {_limit(kind):g}")
     assert n > 400 and not bad, f"{len(bad)} of {n} gradients differ:\n" + "\n".join(bad[:30])
 
 
