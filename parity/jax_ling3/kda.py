@@ -19,6 +19,7 @@ from jax.scipy.linalg import solve_triangular
 
 from parity.jax_ling3.norms import gated_rms_norm, l2_normalize
 from parity.jax_ling3.ops import linear
+from parity.jax_ling3.probes import tap
 from parity.jax_ling3.spec import LayerSpec
 
 F32 = jnp.float32
@@ -249,21 +250,20 @@ def kda_attention(p: dict, x: jnp.ndarray, spec: LayerSpec, state: tuple | None 
     pts: dict[str, jnp.ndarray] = {}
     qkv, convs = [], []
     for name, c0 in zip("qkv", conv0):
-        proj = linear(x, p[f"{name}_proj"])
-        pts[f"attention.{name}_proj"] = proj
+        proj = tap(pts, f"attention.{name}_proj", linear(x, p[f"{name}_proj"]))
         y, c = short_conv(proj, p[f"{name}_conv1d"], c0)
-        pts[f"attention.{name}_conv1d"] = y
+        y = tap(pts, f"attention.{name}_conv1d", y)
         qkv.append(y.reshape(B, T, H, d))
         convs.append(c)
     a = linear(x, p["f_proj"])
-    pts["attention.f_proj"] = a
+    a = tap(pts, "attention.f_proj", a)
     g = kda_gate(a.reshape(B, T, H, d), p["A_log"], p["dt_bias"], m.lower_bound)  # fp32 (ORC §5)
     g = _at_precision(g, spec.kda_gate_dtype)  # the built-in's bf16 rounding, on request (parity.model.semantics)
-    pts["attention.gate"] = g
+    g = tap(pts, "attention.gate", g)
     b = linear(x, p["b_proj"])
-    pts["attention.b_proj"] = b
+    b = tap(pts, "attention.b_proj", b)
     beta = _at_precision(jax.nn.sigmoid(b.astype(F32)), spec.kda_beta_dtype)  # fp32 (facts §3.4, ORC §5)
-    pts["attention.beta"] = beta
+    beta = tap(pts, "attention.beta", beta)
     q, k, v = qkv
     qn, kn = l2_normalize(q), l2_normalize(k)  # fp32, eps inside the sqrt of the sum (§3.3)
     mode = spec.kda_mode
@@ -271,13 +271,13 @@ def kda_attention(p: dict, x: jnp.ndarray, spec: LayerSpec, state: tuple | None 
         mode = "recurrent" if T <= CHUNK else "chunked"
     o, S = KERNELS[mode](qn, kn, v, g, beta, d ** -0.5, S0, **chunk_options(mode, spec))
     core = o.astype(x.dtype)  # kernel output cast back to the q dtype (facts §8)
-    pts["attention.core"] = core
+    core = tap(pts, "attention.core", core)
     gp = linear(x, p["g_proj"])
-    pts["attention.g_proj"] = gp
+    gp = tap(pts, "attention.g_proj", gp)
     on = gated_rms_norm(core, gp.reshape(B, T, H, d), p["o_norm"], m.eps)
-    pts["attention.o_norm"] = on
+    on = tap(pts, "attention.o_norm", on)
     out = linear(on.reshape(B, T, H * d), p["o_proj"])
-    pts["attention.o_proj"] = out
+    out = tap(pts, "attention.o_proj", out)
     conv = jnp.stack(convs)
     pts["attention.state"] = S
     pts["attention.conv_state"] = conv

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from parity.model.config import MLA_NORM_EPS as CONFIG_MLA_NORM_EPS
 from parity.jax_ling3.norms import rms_norm
 from parity.jax_ling3.ops import dot_f32, linear
+from parity.jax_ling3.probes import tap
 from parity.jax_ling3.rope import apply_rope_interleaved, cos_sin
 from parity.jax_ling3.spec import LayerSpec
 
@@ -69,23 +70,21 @@ def mla_attention(p: dict, x: jnp.ndarray, positions: jnp.ndarray, spec: LayerSp
     H, n, r, vd, c = m.num_heads, m.qk_nope, m.qk_rope, m.v_head_dim, m.kv_lora_rank
     pts: dict[str, jnp.ndarray] = {}
     if m.q_lora_rank is None:
-        q = linear(x, p["q_proj"])
-        pts["attention.q_proj"] = q
+        q = tap(pts, "attention.q_proj", linear(x, p["q_proj"]))
     else:
-        qa = linear(x, p["q_a_proj"])
-        pts["attention.q_a_proj"] = qa
+        qa = tap(pts, "attention.q_a_proj", linear(x, p["q_a_proj"]))
         qa = rms_norm(qa, p["q_a_layernorm"], MLA_NORM_EPS)
-        pts["attention.q_a_layernorm"] = qa
+        qa = tap(pts, "attention.q_a_layernorm", qa)
         q = linear(qa, p["q_b_proj"])
-        pts["attention.q_b_proj"] = q
+        q = tap(pts, "attention.q_b_proj", q)
     q = q.reshape(B, T, H, n + r)
     q_nope, q_rope = q[..., :n], q[..., n:]
     kv_a = linear(x, p["kv_a_proj_with_mqa"])
-    pts["attention.kv_a_proj_with_mqa"] = kv_a
+    kv_a = tap(pts, "attention.kv_a_proj_with_mqa", kv_a)
     c_kv = rms_norm(kv_a[..., :c], p["kv_a_layernorm"], MLA_NORM_EPS)
-    pts["attention.kv_a_layernorm"] = c_kv
+    c_kv = tap(pts, "attention.kv_a_layernorm", c_kv)
     kv = linear(c_kv, p["kv_b_proj"])
-    pts["attention.kv_b_proj"] = kv
+    kv = tap(pts, "attention.kv_b_proj", kv)
     pos = jnp.broadcast_to(positions, (B, T))
     cos, sin = cos_sin(pos, r, m.rope_theta, dt)
     q_rope = apply_rope_interleaved(q_rope, cos, sin)  # [B,T,H,r]
@@ -115,15 +114,15 @@ def mla_attention(p: dict, x: jnp.ndarray, positions: jnp.ndarray, spec: LayerSp
             kvh = linear(new_cache.c_kv, p["kv_b_proj"]).reshape(B, Sk, H, n + vd)
             core = _naive(q_nope, q_rope, kvh[..., :n], kvh[..., n:], new_cache.k_rope, allowed, m.attn_scale, dt)
     core = core.reshape(B, T, H * vd)
-    pts["attention.core"] = core
+    core = tap(pts, "attention.core", core)
     gp = linear(x, p["g_proj"])
-    pts["attention.g_proj"] = gp
+    gp = tap(pts, "attention.g_proj", gp)
     gate = jax.nn.sigmoid(gp.astype(F32)).astype(dt)  # head-wise gate, fp32 then cast (facts §4.6)
-    pts["attention.gate"] = gate
+    gate = tap(pts, "attention.gate", gate)
     gated = (core.reshape(B, T, H, vd) * gate[..., None]).reshape(B, T, H * vd)
-    pts["attention.dense:in"] = gated
+    gated = tap(pts, "attention.dense:in", gated)
     out = linear(gated, p["dense"])
-    pts["attention.dense"] = out
+    out = tap(pts, "attention.dense", out)
     return out, pts, new_cache
 
 

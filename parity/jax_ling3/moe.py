@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from parity.jax_ling3 import ops
 from parity.jax_ling3.ops import dot_f32, linear, matmul_f32, silu
+from parity.jax_ling3.probes import differentiating, tap
 from parity.jax_ling3.spec import LayerSpec, ModelSpec
 
 F32 = jnp.float32
@@ -41,10 +42,11 @@ def swiglu(g: jnp.ndarray, u: jnp.ndarray, limit: float | None) -> jnp.ndarray:
 
 def dense_mlp(p: dict, x: jnp.ndarray, limit: float | None = None, prefix: str = "mlp."):
     """down(swiglu(gate x, up x)) (facts §5.6); p: gate_proj/up_proj [D,I], down_proj [I,D]. Returns (y, points)."""
-    g = linear(x, p["gate_proj"])
-    u = linear(x, p["up_proj"])
-    y = linear(swiglu(g, u, limit), p["down_proj"])
-    return y, {f"{prefix}gate_proj": g, f"{prefix}up_proj": u, f"{prefix}down_proj": y}
+    pts: dict = {}
+    g = tap(pts, f"{prefix}gate_proj", linear(x, p["gate_proj"]))
+    u = tap(pts, f"{prefix}up_proj", linear(x, p["up_proj"]))
+    y = tap(pts, f"{prefix}down_proj", linear(swiglu(g, u, limit), p["down_proj"]))
+    return y, pts
 
 
 def router_logits(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
@@ -76,7 +78,7 @@ def routing_weights(logits: jnp.ndarray, idx: jnp.ndarray, m: ModelSpec) -> jnp.
 def route(x: jnp.ndarray, w_router: jnp.ndarray, bias: jnp.ndarray, m: ModelSpec, forced_idx=None):
     """(logits fp32 [...,E], ids int32 [...,k], weights fp32 [...,k]); `forced_idx` replaces the selection
     (forced routing: same weight maths on the given experts, DESIGN §6)."""
-    logits = router_logits(x, w_router)
+    logits = tap({}, "mlp.gate.logits", router_logits(x, w_router))  # probe: dL/dlogits (issue 26)
     idx = select_experts(logits, bias, m) if forced_idx is None else jnp.asarray(forced_idx).astype(jnp.int32)
     return logits, idx, routing_weights(logits, idx, m)
 
@@ -159,6 +161,56 @@ def routed_experts_blocked(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.nda
     return jnp.einsum("nkd,nk->nd", y, w.astype(F32), precision=HI).astype(dt)
 
 
+def routed_experts_blocked_static(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, limit: float | None,
+                                  block: int | None = None) -> jnp.ndarray:
+    """`routed_experts_blocked` with a static trip count, so reverse-mode AD can go through it (issue 26): the same
+    row blocks, the same per-block GEMMs and the same write order (experts ascending, blocks ascending within an
+    expert), run as one `lax.scan` over a static upper bound of blocks, A // Bs + E + 1 (each used expert wastes < 1
+    block). Block j's expert and first row come from a block table built from the counts; blocks past the last used
+    one write into the Bs spare rows (discarded). Same bits as the blocked loop (tests/test_backward_replay.py)."""
+    dt = x.dtype
+    N, D = x.shape
+    k = idx.shape[-1]
+    E = p["experts_gate"].shape[0]
+    A = N * k
+    Bs = block or block_rows(A, E)
+    e_flat = idx.reshape(A).astype(jnp.int32)
+    order = jnp.argsort(e_flat, stable=True)
+    tok = jnp.concatenate([order // k, jnp.zeros((Bs,), order.dtype)])
+    # the same values as `_upcast_cpu`'s bit shift (bf16 -> fp32 is exact), but a convert, which AD goes through
+    up = (lambda a: a) if ops.NATIVE_BF16_MATMUL else (
+        lambda a: a.astype(F32) if a.dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else a)
+    xs = up(x[tok])
+    counts = jnp.bincount(e_flat, length=E)
+    seg_start = jnp.cumsum(counts) - counts
+    nblk = (counts + Bs - 1) // Bs
+    blk_end = jnp.cumsum(nblk)  # blocks of experts 0..e
+    NB = A // Bs + E + 1
+    j = jnp.arange(NB)
+    e_j = jnp.minimum(jnp.searchsorted(blk_end, j, side="right"), E - 1).astype(jnp.int32)
+    valid = j < blk_end[-1]
+    r0 = jnp.where(valid, seg_start[e_j] + (j - (blk_end[e_j] - nblk[e_j])) * Bs, A)  # spare rows when past the end
+
+    # each block's expert weights gathered once, outside the loop: the gather's VJP is one scatter-add into the expert
+    # stacks, where indexing the stacks inside the loop made every step's VJP add into a full [E, ...] gradient
+    # (Ling3-Tiny MLA+MoE at T=128: 32.5 s a backward)
+    wblk = tuple(p[n][e_j] for n in ("experts_gate", "experts_up", "experts_down"))
+
+    def body(buf, blk):
+        r, w3 = blk
+        wg, wu, wd = (up(a.astype(dt)) for a in w3)
+        xb = jax.lax.dynamic_slice_in_dim(xs, r, Bs)
+        g = matmul_f32(xb, wg).astype(dt)
+        u = matmul_f32(xb, wu).astype(dt)
+        y = matmul_f32(up(swiglu(g, u, limit)), wd).astype(dt)
+        return jax.lax.dynamic_update_slice_in_dim(buf, y.astype(F32), r, axis=0), None
+
+    ys, _ = jax.lax.scan(body, jnp.zeros((A + Bs, D), F32), (r0, wblk))
+    inv = jnp.argsort(order)
+    y = ys[inv].reshape(N, k, D)
+    return jnp.einsum("nkd,nk->nd", y, w.astype(F32), precision=HI).astype(dt)
+
+
 def _upcast_cpu(a: jnp.ndarray) -> jnp.ndarray:
     """bf16 -> fp32 on CPU by moving the 16 bits up (exact: a bf16 is the top half of its fp32), else unchanged.
 
@@ -180,6 +232,10 @@ def routed_experts(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, li
     p: experts_gate/up [E,D,I], experts_down [E,I,D]; x [N,D]; idx/w [N,k]. Dispatches on `ROUTED_IMPL`."""
     if ROUTED_IMPL == "dense":
         return routed_experts_dense(p, x, idx, w, limit)
+    if differentiating():
+        # the blocked loop's trip counts depend on the routing (a while loop), which reverse-mode AD cannot go through
+        # (issue 26): a backward trace runs the same blocks with a static trip count
+        return routed_experts_blocked_static(p, x, idx, w, limit)
     return routed_experts_blocked(p, x, idx, w, limit)
 
 
@@ -191,12 +247,15 @@ def moe_block(p: dict, x: jnp.ndarray, spec: LayerSpec, forced_idx=None):
     logits, idx, w = route(x, p["router"], p["expert_bias"], m, forced_idx)
     order = jnp.argsort(idx, axis=-1)
     idx, w = jnp.take_along_axis(idx, order, -1), jnp.take_along_axis(w, order, -1)
+    pts: dict = {"mlp.gate.logits": logits, "mlp.gate.topk_idx": idx}
+    w = tap(pts, "mlp.gate.topk_weight", w)
     routed = routed_experts(p, x.reshape(B * T, D), idx.reshape(B * T, -1), w.reshape(B * T, -1),
                             spec.routed_limit).reshape(B, T, D)
-    pts = {"mlp.gate.logits": logits, "mlp.gate.topk_idx": idx, "mlp.gate.topk_weight": w, "mlp.routed": routed}
+    routed = tap(pts, "mlp.routed", routed)
     y = routed
     if m.has_shared:
-        sh, _ = dense_mlp({k: p[f"shared_{k}"] for k in ("gate_proj", "up_proj", "down_proj")}, x, spec.shared_limit)
-        pts["mlp.shared_experts"] = sh
+        sh, _ = dense_mlp({k: p[f"shared_{k}"] for k in ("gate_proj", "up_proj", "down_proj")}, x, spec.shared_limit,
+                          prefix="mlp.shared_experts.")  # its own names: never tapped as a dense layer's sites
+        sh = tap(pts, "mlp.shared_experts", sh)
         y = routed + sh
     return y, pts

@@ -473,3 +473,58 @@ class CheckpointReader:
 
     def global_params(self, dtype: str) -> dict:
         return convert_globals(self.config, self.hf_global_tensors(), dtype)
+
+
+# ----------------------------------------------------------------------------------------- JAX layout -> HF layout
+def to_hf_layout(cfg: Ling3Config, i: int, p: Mapping) -> dict[str, np.ndarray]:
+    """The inverse of `convert_layer`'s layout mapping: layer-i params in the JAX layout (or anything of the same
+    structure and shapes, e.g. their gradients) -> {official suffix relative to `model.layers.{i}.`: array in the HF
+    shape}, dtypes kept. Used for weight gradients under HF names (issue 26): every step of the forward mapping is a
+    pure re-layout (transpose, drop of a unit axis, stacking), whose VJP is the inverse re-layout, so the gradient of
+    an HF tensor is the JAX-layout gradient mapped back. `convert_layer(to_hf_layout(p))` gives p back
+    (tests/test_backward_replay.py)."""
+    T = lambda a: np.ascontiguousarray(np.asarray(a).T)  # noqa: E731  [in, out] -> [out, in]
+    out = {"input_layernorm.weight": np.asarray(p["input_layernorm"]),
+           "post_attention_layernorm.weight": np.asarray(p["post_attention_layernorm"])}
+    att, mlp = p["attention"], p["mlp"]
+    if cfg.layer_kind(i) == "kda":
+        for n in ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj", "b_proj", "o_proj"):
+            out[f"attention.{n}.weight"] = T(att[n])
+        for n in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            out[f"attention.{n}.weight"] = np.asarray(att[n])[:, None, :]  # [P,W] -> [P,1,W]
+        out["attention.A_log"] = np.asarray(att["A_log"])
+        out["attention.dt_bias"] = np.asarray(att["dt_bias"])
+        out["attention.o_norm.weight"] = np.asarray(att["o_norm"])
+    else:
+        names = ("q_a_proj", "q_b_proj") if cfg.q_lora else ("q_proj",)
+        for n in (*names, "kv_a_proj_with_mqa", "kv_b_proj", "g_proj", "dense"):
+            out[f"attention.{n}.weight"] = T(att[n])
+        norms = ("q_a_layernorm", "kv_a_layernorm") if cfg.q_lora else ("kv_a_layernorm",)
+        for n in norms:
+            out[f"attention.{n}.weight"] = np.asarray(att[n])
+    if cfg.is_moe(i):
+        out["mlp.gate.weight"] = T(mlp["router"])
+        out["mlp.gate.expert_bias"] = np.asarray(mlp["expert_bias"])
+        for n, src in (("gate_proj", "experts_gate"), ("up_proj", "experts_up"), ("down_proj", "experts_down")):
+            stacked = np.asarray(mlp[src])  # [E, in, out]
+            for e in range(stacked.shape[0]):
+                out[f"mlp.experts.{e}.{n}.weight"] = np.ascontiguousarray(stacked[e].T)
+        if cfg.has_shared_expert:
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                out[f"mlp.shared_experts.{n}.weight"] = T(mlp[f"shared_{n}"])
+    else:
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            out[f"mlp.{n}.weight"] = T(mlp[n])
+    return out
+
+
+def globals_to_hf_layout(g: Mapping) -> dict[str, np.ndarray]:
+    """The inverse of `convert_globals`' layout (full HF names): embed, final_norm, lm_head [D,V] -> [V,D]."""
+    out = {}
+    if "embed" in g:
+        out["model.word_embeddings.weight"] = np.asarray(g["embed"])
+    if "final_norm" in g:
+        out["model.norm.weight"] = np.asarray(g["final_norm"])
+    if "lm_head" in g:
+        out["lm_head.weight"] = np.ascontiguousarray(np.asarray(g["lm_head"]).T)
+    return out

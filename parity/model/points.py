@@ -290,6 +290,8 @@ def site_inputs(kind: str, moe: bool, site: str, q_lora: bool | None = None) -> 
 def point_inputs(cfg, point: Point) -> list[Point]:
     """Points a point is computed from, across layers and model-level sites (same phase/step)."""
     ph, st = point.phase, point.step
+    if ph == "backward":
+        return backward_inputs(cfg, point)
     if point.layer is None:
         if point.site == "final_norm":
             return [Point(ph, st, cfg.num_hidden_layers - 1, "output")]
@@ -300,3 +302,86 @@ def point_inputs(cfg, point: Point) -> list[Point]:
     if point.site == "input":
         return [Point(ph, st, None, "embed")] if i == 0 else [Point(ph, st, i - 1, "output")]
     return [Point(ph, st, i, s) for s in site_inputs(cfg.layer_kind(i), cfg.is_moe(i), point.site, cfg.q_lora)]
+
+
+# ------------------------------------------------------------------------------------------ backward phase (issue 26)
+# `Point("backward", 0, layer, site)`: `site` a forward site = dL/d(that site's tensor), canonical shape; or
+# `grad.<HF name relative to model.layers.{i}.>` = the gradient of that parameter (HF shape). Model level: the
+# cotangents of `logits`, `final_norm`, `embed`, `final_norm:in` (dL/d the final norm's input, i.e. the last layer's
+# `output` cotangent as the head's backward gives it) and the full-name grads of the embedding, final norm and head.
+NO_COTANGENT = ("mlp.gate.topk_idx", "attention.state", "attention.conv_state")  # integer ids; states off the path
+BACKWARD_MODEL_SITES = ("logits", "final_norm", "final_norm:in", "embed", "grad.lm_head.weight",
+                        "grad.model.norm.weight", "grad.model.word_embeddings.weight")
+# Fed, not computed, in a teacher-forced backward replay: a layer's `output` cotangent, the model's `embed` cotangent.
+BACKWARD_FED = ("output", "embed")
+
+
+def backward_param_sites(cfg, i: int) -> tuple[str, ...]:
+    """`grad.<suffix>` for every trainable parameter of main layer i (official names, facts §7); the router's
+    `expert_bias` is a buffer (selection only, facts §5.4) and has no gradient. tests/test_backward_replay.py checks
+    this list against `jax_ling3.weights.expected_suffixes`."""
+    s = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    if cfg.layer_kind(i) == "kda":
+        s += [f"attention.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj", "b_proj",
+                                                 "q_conv1d", "k_conv1d", "v_conv1d", "o_norm", "o_proj")]
+        s += ["attention.A_log", "attention.dt_bias"]
+    else:
+        q = ("q_a_proj", "q_a_layernorm", "q_b_proj") if cfg.q_lora else ("q_proj",)
+        s += [f"attention.{n}.weight" for n in (*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "g_proj",
+                                                 "dense")]
+    if cfg.is_moe(i):
+        s += ["mlp.gate.weight"]
+        s += [f"mlp.experts.{e}.{n}.weight" for e in range(cfg.num_experts) for n in ("gate_proj", "up_proj",
+                                                                                   "down_proj")]
+        if cfg.has_shared_expert:
+            s += [f"mlp.shared_experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+    else:
+        s += [f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+    return tuple(f"grad.{x}" for x in s)
+
+
+def backward_sites(cfg, i: int) -> tuple[str, ...]:
+    """The backward points of main layer i: the cotangents of its forward sites (but `NO_COTANGENT`), in forward
+    order, then its weight gradients."""
+    return tuple(x for x in sites_for_config(cfg, i, recorded_inputs=True) if x not in NO_COTANGENT) \
+        + backward_param_sites(cfg, i)
+
+
+# A weight gradient's incoming cotangent: the output of the module the parameter belongs to (facts §3-§5).
+_PARAM_SITE = {"attention.A_log": "attention.gate", "attention.dt_bias": "attention.gate",
+               "mlp.gate.weight": "mlp.gate.logits"}
+
+
+def grad_param_site(cfg, i: int, param: str) -> str | None:
+    """The site whose cotangent a parameter's gradient is computed from (`attention.q_proj.weight` ->
+    `attention.q_proj`, experts -> `mlp.routed`), None if unknown."""
+    if param in _PARAM_SITE:
+        return _PARAM_SITE[param]
+    if param.startswith("mlp.experts."):
+        return "mlp.routed"
+    if param.startswith("mlp.shared_experts."):
+        return "mlp.shared_experts"
+    site = param.removesuffix(".weight")
+    return site if site in sites_for_config(cfg, i) else None
+
+
+def backward_inputs(cfg, point: Point) -> list[Point]:
+    """Points a backward point is computed from: the cotangents of the sites that consume its forward tensor (the
+    reverse of the site graph), a weight gradient from its module's output cotangent; a layer's `output` from the next
+    layer's `input` (the last layer's from the head, `final_norm:in`)."""
+    ph, st, i, site = point.phase, point.step, point.layer, point.site
+    n = cfg.num_hidden_layers
+    if i is None:
+        prev = {"logits": [], "final_norm": ["logits"], "final_norm:in": ["final_norm"],
+                "grad.lm_head.weight": ["logits"], "grad.model.norm.weight": ["final_norm"],
+                "grad.model.word_embeddings.weight": ["embed"]}.get(site)
+        if prev is not None:
+            return [Point(ph, st, None, s) for s in prev]
+        return [Point(ph, st, 0, "input")] if site == "embed" else []
+    if site.startswith("grad."):
+        src = grad_param_site(cfg, i, site[len("grad."):])
+        return [] if src is None else [Point(ph, st, i, src)]
+    if site == "output":
+        return [Point(ph, st, i + 1, "input")] if i + 1 < n else [Point(ph, st, None, "final_norm:in")]
+    graph = layer_graph(cfg.layer_kind(i), cfg.is_moe(i), cfg.q_lora)
+    return [Point(ph, st, i, s.name) for s in graph if site in s.inputs and s.name not in NO_COTANGENT]

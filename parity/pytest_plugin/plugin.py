@@ -279,6 +279,8 @@ def parity_params(config: pytest.Config) -> list:
             mtp = mtp_site(p.site)  # an MTP layer's point: its own replay unit "MTP{j}", id .../MTP0/<site>
             unit = p.layer if mtp is None else f"MTP{mtp[0]}"
             lay = ("model" if p.layer is None else f"layer_{p.layer}") if mtp is None else None
+            if p.phase == "backward":  # its own tests: `-k backward` selects the phase, `-k layer_3` still the layer
+                lay = f"backward/{lay}"
             _, pts, unknown = groups.setdefault((lay, p.site), (unit, [], []))
             if not o.unknown:
                 pts.append((p.phase, p.step, p.layer, p.site))
@@ -496,6 +498,16 @@ def _is_worker(config) -> bool:
 COMPARED = ("pass", "fail", "benign", "semantic", "variant")
 
 
+def _is_fed(rec: dict) -> bool:
+    """A point teacher forcing feeds from the dump rather than computes (no comparison): a layer's forward `input`,
+    and in the backward phase a layer's `output` cotangent and the model's `embed` cotangent (issue 26)."""
+    from parity.model.points import BACKWARD_FED
+
+    if rec.get("phase") == "backward":
+        return rec.get("site") in BACKWARD_FED
+    return rec.get("site") == "input" and rec.get("layer") is not None
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
     config = session.config
     if _is_worker(config) or not _RECORDS:
@@ -515,8 +527,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
         dump_compared = 0
         for r in recs:
             statuses[r.get("status")] = statuses.get(r.get("status"), 0) + 1
-            dump_compared += r.get("status") in COMPARED and not (fed and r.get("site") == "input"
-                                                                   and r.get("layer") is not None)
+            dump_compared += r.get("status") in COMPARED and not (fed and _is_fed(r))
         compared += dump_compared
         try:
             reader = _session(config).reader(entry)  # the reader the replay used: no second validation pass

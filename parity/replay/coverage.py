@@ -91,11 +91,51 @@ def owed_points(dump, layers: set[int] | None = None) -> list[Owed]:
                 elif layers is not None and i not in layers:
                     why = f"not selected (--parity-layers {_fmt_layers(sorted(layers))})"
                 add(Point(phase, step, i, site), why)
+    if has_backward(dump):
+        for p, why in _owed_backward(dump, made, sites_f, layers):
+            add(p, why)
     for p in dump.points():  # held, but not a point of the model: owed all the same (its test fails naming it)
         if p not in known:
             known.add(p)
             out.append(Owed(p, None, unknown=True))
     out += _owed_mtp(dump, made, sites_f, layers)
+    return out
+
+
+def has_backward(dump) -> bool:
+    """Whether the dump was made with a backward pass (`--grads`: root attr `backward`, or backward points held)."""
+    return isinstance(dump.meta.get("backward"), dict) or "backward" in dump.phases()
+
+
+def _owed_backward(dump, made: list[int], sites_f: list[str], layers: set[int] | None) -> list[tuple[Point, str | None]]:
+    """The backward phase's points (issue 26): per layer its cotangents and weight gradients
+    (`parity.model.points.backward_sites`), the model-level ones (`BACKWARD_MODEL_SITES`). A `--sites` filter of the
+    dump applies to the forward site a cotangent is of (a weight gradient: to the site of its module)."""
+    from parity.model.points import BACKWARD_MODEL_SITES, backward_sites, grad_param_site
+
+    cfg = dump.config
+    last = cfg.num_hidden_layers - 1
+    out = []
+
+    def filtered(site: str) -> bool:
+        return bool(sites_f) and not any(fnmatch.fnmatchcase(site, f) for f in sites_f)
+
+    for site in BACKWARD_MODEL_SITES:
+        why = None
+        if site in ("final_norm:in",) and last not in made:
+            why = f"the head's backward feeds layer {last}'s output cotangent: it was made with --layers {_fmt_layers(made)}"
+        out.append((Point("backward", 0, None, site), why))
+    for i in range(cfg.num_hidden_layers):
+        for site in backward_sites(cfg, i):
+            base = grad_param_site(cfg, i, site[len("grad."):]) if site.startswith("grad.") else site
+            why = None
+            if i not in made:
+                why = f"not in the dump: it was made with --layers {_fmt_layers(made)}"
+            elif sites_f and filtered(base or site):
+                why = f"not in the dump: it was made with --sites {','.join(sites_f)}"
+            elif layers is not None and i not in layers:
+                why = f"not selected (--parity-layers {_fmt_layers(sorted(layers))})"
+            out.append((Point("backward", 0, i, site), why))
     return out
 
 

@@ -176,6 +176,7 @@ def observe_layer(s: Session, i: int) -> Iterator[Observation]:
                     forced_vshadow = dict(vshadow, points=_points(r, hidden))
             yield from _layer_observations(s, phase, step, i, pts, forced_pts, bias, positions, res, shadow,
                                            forced_shadow, rounding, vshadow, forced_vshadow)
+        yield from observe_backward_layer(s, i)
     finally:
         s.target.unload_layer(i)
         if variant is not None:
@@ -260,6 +261,7 @@ def observe_model_points(s: Session) -> Iterator[Observation]:
                 yield Observation(pt, _read(s, pt), head.get(site), s.mode,
                                   rounding=check if site == "final_norm" else None,
                                   variant_shadow=vshadow if site == "logits" else None)
+    yield from observe_backward_model(s)
 
 
 def _head_variant_shadow(s: Session, hf: dict, pt: Point, check, x, test) -> dict | None:
@@ -314,6 +316,9 @@ def observe_free(s: Session, progress=None) -> Iterator[Observation]:
         for site in ("final_norm", "logits"):
             pt = Point(phase, step, None, site)
             yield Observation(pt, _read(s, pt), head.get(site), s.mode)
+    for i in [None, *range(s.config.num_hidden_layers)]:
+        yield from _backward_skipped(s, i, "free mode: the backward phase is replayed teacher-forced (layer / forced "
+                                        "mode)")
 
 
 def observe_isolated(s: Session, i: int) -> Iterator[Observation]:
@@ -351,6 +356,8 @@ def observe_isolated(s: Session, i: int) -> Iterator[Observation]:
                                   positions=positions, feeds=site.inputs, expert_bias=bias,
                                   rounding=_norm_check(cfg, i, site.name, inputs, hf))
             history.append((phase, step))
+        yield from _backward_skipped(s, i, "isolated mode: the backward phase is replayed teacher-forced per layer "
+                                           "(layer / forced mode)")
     finally:
         s.target.unload_layer(i)
 
@@ -427,6 +434,112 @@ def _earlier_state(s: Session, site, i: int, history: list[tuple[str, int]]) -> 
             parts.append(got[n])
         out[n] = np.concatenate(parts, axis=1)
     return out, None
+
+
+# ------------------------------------------------------------------------------------------------ backward (issue 26)
+def _backward_points(s: Session, i: int | None) -> list[Point]:
+    from parity.model.points import BACKWARD_MODEL_SITES, backward_sites
+
+    sites = BACKWARD_MODEL_SITES if i is None else backward_sites(s.config, i)
+    return [Point("backward", 0, i, site) for site in sites]
+
+
+def _backward_skipped(s: Session, i: int | None, why: str) -> Iterator[Observation]:
+    from parity.replay.coverage import has_backward
+
+    if not has_backward(s.dump):
+        return
+    for pt in _backward_points(s, i):
+        yield Observation(pt, _read(s, pt), None, s.mode, skip=why)
+
+
+def _backward_why_not(s: Session) -> str | None:
+    if "backward" not in s.target.capabilities:
+        return f"target {s.target.name} lacks capability backward (it cannot run a layer's VJP)"
+    return None
+
+
+def observe_backward_layer(s: Session, i: int) -> Iterator[Observation]:
+    """The backward phase of layer i, teacher-forced (issue 26): the target's VJP of the layer at the dumped prefill
+    `input`, fed the dumped `output` cotangent, routing forced to the dumped prefill top-k (the forward's experts:
+    the discrete top-k is not differentiated). Compared: dL/d input, the sub-module cotangents the target taps and
+    every weight gradient (HF names). The fed `output` cotangent is recorded as fed (like a layer's forward `input`).
+    The layer's weights are loaded by the caller (`observe_layer`)."""
+    from parity.replay.coverage import has_backward
+
+    if not has_backward(s.dump):
+        return
+    why = _backward_why_not(s)
+    if why is not None:
+        yield from _backward_skipped(s, i, why)
+        return
+    pts = _backward_points(s, i)
+    feeds = [Point("prefill", 0, i, "input"), Point("backward", 0, i, "output")]
+    lacking = next((p for p in feeds if not s.dump.has(p)), None)
+    if lacking is not None:
+        for pt in pts:
+            yield Observation(pt, _read(s, pt), None, s.mode, skip=f"its input {lacking.key()} is not in the dump")
+        return
+    hidden, cot = s.dump.read(feeds[0]), s.dump.read(feeds[1])
+    positions = np.arange(hidden.shape[1])
+    topk = _ref_topk(s, "prefill", 0, i) if s.config.is_moe(i) else None
+    res = s.call(f"layer {i} backward: layer_backward", s.target.layer_backward, i, hidden, positions, cot,
+                 forced_topk=topk)
+    test = dict(res.points)
+    test["input"] = res.input_grad
+    test["output"] = cot  # fed: the dump's own cotangent
+    test.update({f"grad.{k}": v for k, v in res.param_grads.items()})
+    why_absent = getattr(res, "missing", None) or {}
+    for pt in pts:
+        yield Observation(pt, _read(s, pt), test.get(pt.site), s.mode, forced=False,
+                          why_absent=why_absent.get(pt.site))
+
+
+def observe_backward_model(s: Session) -> Iterator[Observation]:
+    """The model-level backward points (issue 26), teacher-forced: the loss's dL/dlogits from the dumped prefill
+    logits and ids; the head's VJP at the dumped last-layer output fed the dumped dL/dlogits (dL/d final norm output,
+    dL/d its input — compared with the last layer's dumped `output` cotangent as `final_norm:in` — and the norm / LM
+    head weight grads); the embedding's gradient from the dumped `embed` cotangent (fed)."""
+    from parity.replay.coverage import has_backward
+
+    if not has_backward(s.dump):
+        return
+    why = _backward_why_not(s)
+    if why is not None:
+        yield from _backward_skipped(s, None, why)
+        return
+    bp = lambda site: Point("backward", 0, None, site)  # noqa: E731
+    last = s.config.num_hidden_layers - 1
+    ids = _tokens(s, "prefill", 0)
+    test: dict = {}
+    feeds: dict = {}
+    logits_pt = Point("prefill", 0, None, "logits")
+    if s.dump.has(logits_pt):
+        _, test["logits"] = s.call("model backward: loss_backward", s.target.loss_backward, s.dump.read(logits_pt), ids)
+    else:
+        feeds["logits"] = logits_pt
+    out_pt, dlog_pt = Point("prefill", 0, last, "output"), bp("logits")
+    if s.dump.has(out_pt) and s.dump.has(dlog_pt):
+        hb = s.call("model backward: head_backward", s.target.head_backward, s.dump.read(out_pt), s.dump.read(dlog_pt))
+        test.update({"final_norm": hb.get("final_norm"), "final_norm:in": hb.get("input"),
+                     "grad.model.norm.weight": hb.get("grad.model.norm.weight"),
+                     "grad.lm_head.weight": hb.get("grad.lm_head.weight")})
+    else:
+        for site in ("final_norm", "final_norm:in", "grad.model.norm.weight", "grad.lm_head.weight"):
+            feeds[site] = out_pt if not s.dump.has(out_pt) else dlog_pt
+    emb_pt = bp("embed")
+    if s.dump.has(emb_pt):
+        d_emb = s.dump.read(emb_pt)
+        test["embed"] = d_emb  # fed: the dump's own cotangent
+        test["grad.model.word_embeddings.weight"] = s.call("model backward: embed_backward", s.target.embed_backward,
+                                                           ids, d_emb)
+    else:
+        feeds["grad.model.word_embeddings.weight"] = emb_pt
+    for pt in _backward_points(s, None):
+        ref_pt = Point("backward", 0, last, "output") if pt.site == "final_norm:in" else pt
+        miss = feeds.get(pt.site)
+        yield Observation(pt, _read(s, ref_pt), test.get(pt.site), s.mode,
+                          skip=None if miss is None else f"its input {miss.key()} is not in the dump")
 
 
 def mtp_unit(j: int) -> str:

@@ -46,7 +46,26 @@ def order_key(cfg, rec: dict) -> tuple:
         lay = -1 if rec["site"] == "embed" else 10**6
     else:
         lay = layer
+    if rec["phase"] == "backward":
+        return (2, 0) + _backward_rank(cfg, layer, rec["site"])
     return (0 if rec["phase"] == "prefill" else 1, rec.get("step", 0), lay, _site_rank(cfg, layer, rec["site"]))
+
+
+def _backward_rank(cfg, layer: int | None, site: str) -> tuple:
+    """Execution order of the backward pass (issue 26), after the forward: the loss's logits cotangent, the head, the
+    layers last to first — each from its `output` cotangent back to its `input`, a weight gradient right after its
+    module's output cotangent — then the embedding."""
+    from parity.model.points import BACKWARD_MODEL_SITES, grad_param_site
+
+    if layer is None:
+        head = ("logits", "grad.lm_head.weight", "final_norm", "grad.model.norm.weight", "final_norm:in")
+        if site in head:
+            return (-10**6, head.index(site), 0)
+        return (10**6, BACKWARD_MODEL_SITES.index(site) if site in BACKWARD_MODEL_SITES else 99, 0)
+    if site.startswith("grad."):
+        src = grad_param_site(cfg, layer, site[len("grad."):])
+        return (-layer, -_site_rank(cfg, layer, src) if src else 1, 1)
+    return (-layer, -_site_rank(cfg, layer, site), 0)
 
 
 def _pt(rec: dict) -> Point:
@@ -88,11 +107,29 @@ def build_report(cfg, records: list[dict], *, dump: str, target: str, mode: str,
         "mode": mode,
         "passed": fd is None and counts.get("missing", 0) == 0,
         "counts": counts,
+        "counts_by_phase": _phase_counts(ordered),
         "first_divergence": fd,
         "variants": variants_summary(ordered),
         "points": ordered,
         **(extra or {}),
     }
+
+
+def _phase_counts(records: list[dict]) -> dict[str, dict[str, int]]:
+    """{phase: {status: n}}: the summary says how many backward points (issue 26) were compared."""
+    out: dict[str, dict[str, int]] = {}
+    for r in records:
+        c = out.setdefault(r.get("phase", "?"), {})
+        c[r.get("status", "?")] = c.get(r.get("status", "?"), 0) + 1
+    return out
+
+
+def phase_lines(report: dict) -> list[str]:
+    """One line per phase with its status counts, e.g. `backward: 412 points {'pass': 400, 'skipped': 12}`."""
+    by = report.get("counts_by_phase") or _phase_counts(report.get("points", []))
+    if set(by) <= {"prefill"}:
+        return []
+    return [f"  {ph}: {sum(c.values())} points {c}" for ph, c in by.items()]
 
 
 def layer_table(report: dict) -> list[dict]:
@@ -119,7 +156,7 @@ def layer_table(report: dict) -> list[dict]:
 
 def _loc(d: dict) -> str:
     lay = "model" if d.get("layer") is None else f"L{d['layer']:02d}"
-    step = "" if d.get("phase") == "prefill" else f"/S{d.get('step', 0):03d}"
+    step = "" if d.get("phase") in ("prefill", "backward") else f"/S{d.get('step', 0):03d}"
     return f"{d.get('phase')}{step}/{lay}/{d.get('site')}"
 
 
@@ -155,6 +192,7 @@ def summary_text(report: dict, *, max_rows: int = 60) -> str:
 
     lines = [f"ling3-parity: dump {report['dump']} | target {report['target']} | mode {report['mode']} -> "
              + ("PASSED" if report["passed"] else "FAILED") + f"  {report.get('counts', {})}"]
+    lines += phase_lines(report)
     if "dump_provenance" in report:  # which kernels made the dump (None: not recorded in it)
         lines.append(f"  dump kernels: {kernels_line(report['dump_provenance'])}")
     tri = report.get("triage")
@@ -272,7 +310,7 @@ def layer_table_markdown(report: dict) -> list[str]:
 def markdown(report: dict) -> str:
     out = [f"# ling3-parity report — {'PASSED' if report['passed'] else 'FAILED'}", "",
            f"- dump: `{report['dump']}`", f"- target: `{report['target']}`", f"- mode: `{report['mode']}`",
-           f"- counts: {report.get('counts')}", ""]
+           f"- counts: {report.get('counts')}"] + [f"- {line.strip()}" for line in phase_lines(report)] + [""]
     info = report.get("target_info")  # protocol v2: what actually ran (Target.describe())
     if info:
         out += ["## What ran", ""] + [f"- {k}: `{v}`" for k, v in info.items()] + [""]

@@ -17,6 +17,10 @@ SEMANTIC, PRECISION, VARIANT = "semantic", "precision", "variant"
 
 
 def _site(rec: dict) -> tuple:
+    """A site across the steps of its phase; the backward phase's points are their own sites (`backward/<site>`:
+    a cotangent is not the forward tensor of the same name)."""
+    if rec.get("phase") == "backward":
+        return rec.get("layer"), f"backward/{rec['site']}"
     return rec.get("layer"), rec["site"]
 
 

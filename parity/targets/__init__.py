@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 from parity.errors import TargetError
-from parity.targets.base import CAPABILITIES, LayerResult, Target
+from parity.targets.base import CAPABILITIES, BackwardResult, LayerResult, Target
 
 BUILTIN = {
     "reference": "parity.targets.reference:ReferenceTarget",
@@ -40,4 +40,4 @@ def resolve(name: str) -> type[Target]:
     return cls
 
 
-__all__ = ["CAPABILITIES", "LayerResult", "Target", "resolve", "BUILTIN"]
+__all__ = ["BackwardResult", "CAPABILITIES", "LayerResult", "Target", "resolve", "BUILTIN"]

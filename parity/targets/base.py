@@ -25,6 +25,7 @@ CAPABILITIES = {
     "decode": "cached decode steps",
     "mesh": "runs sharded on a device mesh",
     "isolated": "sub-modules callable on dumped inputs",
+    "backward": "VJP of a layer, the head, the embedding and the loss (backward replay, issue 26)",
 }
 
 
@@ -39,6 +40,19 @@ class LayerResult:
     # protocol v2 (optional): declared transforms of points computed in another form (`parity.targets.taps`), whose
     # reference side the replay applies before comparing; and why a site the target taps did not fire this call.
     transforms: dict[str, Any] = field(default_factory=dict)
+    missing: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class BackwardResult:
+    """What one `layer_backward` call returns (issue 26): dL/d input [B,T,D]; weight gradients under HF names relative
+    to `model.layers.{i}.` in HF shapes (every trainable parameter of the layer; experts that got no token: zeros);
+    the sub-module cotangents the target can tap ({site: dL/d(site)}, canonical shapes); and why a site it taps
+    produced none."""
+
+    input_grad: np.ndarray
+    param_grads: dict[str, np.ndarray] = field(default_factory=dict)
+    points: dict[str, np.ndarray] = field(default_factory=dict)
     missing: dict[str, str] = field(default_factory=dict)
 
 
@@ -129,6 +143,30 @@ class Target(abc.ABC):
     def mtp_head(self, out: np.ndarray) -> np.ndarray:
         """lm_head on the MTP output (no model.norm in between, facts §2) -> [B,T,V] float32 logits."""
         raise NotImplementedError(f"target {self.name} has no MTP layer (capability `mtp`)")
+
+    # ------------------------------------------------------------------ backward (capability `backward`, issue 26)
+    # The loss is the dump's `next_token_ce_mean_fp32`. A port with a pure JAX layer function gets `layer_backward`
+    # from `parity.targets.backward.layer_vjp` (jax.vjp); a target without the capability has backward points skipped.
+    def layer_backward(self, i: int, hidden: np.ndarray, positions: np.ndarray, cotangent: np.ndarray,
+                       forced_topk: np.ndarray | None = None) -> BackwardResult:
+        """VJP of decoder layer i at prefill (no state) on `hidden` [B,T,D] at `positions` [T], with dL/d output
+        `cotangent` [B,T,D] and the MoE routed to `forced_topk` [B,T,k] (the forward's experts: discrete top-k is not
+        differentiated)."""
+        raise NotImplementedError(f"target {self.name} has no backward (capability `backward`)")
+
+    def head_backward(self, hidden: np.ndarray, d_logits: np.ndarray) -> dict[str, np.ndarray]:
+        """VJP of final norm + LM head at the last layer's output `hidden` with dL/dlogits: {"final_norm": dL/d final
+        norm output, "input": dL/d hidden, "grad.model.norm.weight": [D], "grad.lm_head.weight": [V,D]}."""
+        raise NotImplementedError(f"target {self.name} has no backward (capability `backward`)")
+
+    def embed_backward(self, input_ids: np.ndarray, d_embed: np.ndarray) -> np.ndarray:
+        """Gradient of `model.word_embeddings.weight` [V,D] from dL/d(embedding output) [B,T,D]."""
+        raise NotImplementedError(f"target {self.name} has no backward (capability `backward`)")
+
+    def loss_backward(self, logits: np.ndarray, input_ids: np.ndarray) -> tuple[float, np.ndarray]:
+        """(loss, dL/dlogits fp32 [B,T,V]) of `next_token_ce_mean_fp32` (mean over t = 0..T-2 of CE(logits[:, t],
+        ids[:, t+1]) in fp32)."""
+        raise NotImplementedError(f"target {self.name} has no backward (capability `backward`)")
 
     # ------------------------------------------------------------------ protocol v2 (optional, with defaults)
     def use_checkpoint_dir(self, path, layers: list[int] | None = None) -> None:

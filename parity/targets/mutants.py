@@ -673,12 +673,104 @@ VARIANT_PLANTS: dict[str, Mutation] = {m.name: m for m in [
 PLANT_OF_VARIANT = {"rmsnorm-single-rounding": "rmsnorm_fused_scale"}
 
 
+# ------------------------------------------------------------------------------------------------ backward-only bugs
+# Issue 26: bugs that move no forward bit and train wrong. Each is forward bit-identical *by construction*: the
+# replacement is `jax.lax.stop_gradient` (identity in the forward) or a `custom_vjp` identity whose forward returns
+# its input unchanged; only the VJP differs. Expected: the backward point where the error starts, in backward
+# execution order (parity.reporting.report._backward_rank) — the first failing point whose backward inputs pass.
+def _sg(fn):
+    import jax
+
+    return lambda *a, **k: jax.lax.stop_gradient(fn(*a, **k))
+
+
+def _p_bw_kda_beta_detached():
+    import jax
+
+    kda, layer, _, _ = _mods()
+    return {(layer, "kda_attention"): _rebind(kda.kda_attention, jax=_JaxProxy(sigmoid=_sg(jax.nn.sigmoid)))}
+
+
+def _p_bw_kda_gate_detached():
+    kda, layer, _, _ = _mods()
+    # kda_attention looks `kda_gate` up in its module's globals at trace time
+    return {(layer, "kda_attention"): _rebind(kda.kda_attention, kda_gate=_sg(kda.kda_gate))}
+
+
+def _p_bw_router_weight_detached():
+    *_, moe = _mods()
+    return {(moe, "routing_weights"): _sg(moe.routing_weights)}
+
+
+def _p_bw_mla_gate_detached():
+    import jax
+
+    _, layer, mla, _ = _mods()
+    return {(layer, "mla_attention"): _rebind(mla.mla_attention, jax=_JaxProxy(sigmoid=_sg(jax.nn.sigmoid)))}
+
+
+def _grad_scaled(factor: float):
+    """An identity whose VJP multiplies the cotangent by `factor` (jax.custom_vjp): forward returns x itself."""
+    import jax
+
+    @jax.custom_vjp
+    def ident(x):
+        return x
+
+    def fwd(x):
+        return x, None
+
+    def bwd(_, g):
+        return (g * jax.numpy.asarray(factor, g.dtype),)
+
+    ident.defvjp(fwd, bwd)
+    return ident
+
+
+def _p_bw_shared_grad_twice():
+    _, layer, _, moe = _mods()
+    orig = moe.moe_block
+    twice = _grad_scaled(2.0)
+
+    def block(p, x, spec, forced_idx=None):  # shared expert's gradient scaled twice (e.g. a loss-scale applied twice)
+        y, pts = orig(p, x, spec, forced_idx)
+        if "mlp.shared_experts" not in pts:
+            return y, pts
+        return pts["mlp.routed"] + twice(pts["mlp.shared_experts"]), pts  # the same add as moe_block's: same bits
+
+    return {(layer, "moe_block"): block}
+
+
+def _bw(site_fn, where):
+    return lambda cfg: Expected("backward", 0, where(cfg), site_fn(cfg) if callable(site_fn) else site_fn)
+
+
+BACKWARD_MUTATIONS: dict[str, Mutation] = {m.name: m for m in [
+    Mutation("bw_kda_beta_detached", "stop_gradient on the KDA beta (sigmoid(b_proj) detached): forward bit-identical, "
+             "b_proj gets no gradient → backward attention.b_proj of the first KDA layer", "tiny",
+             _bw(("attention.b_proj", "grad.attention.b_proj.weight"), first_kda), _p_bw_kda_beta_detached),
+    Mutation("bw_kda_gate_detached", "stop_gradient on the KDA decay gate: f_proj, A_log and dt_bias get no gradient "
+             "→ backward grad.attention.A_log / dt_bias / attention.f_proj of the first KDA layer", "tiny",
+             _bw(("grad.attention.A_log", "grad.attention.dt_bias", "attention.f_proj"), first_kda),
+             _p_bw_kda_gate_detached),
+    Mutation("bw_router_weight_detached", "router top-k weights detached (no gradient to the router) → backward "
+             "mlp.gate.logits / grad.mlp.gate.weight of the first MoE layer", "tiny",
+             _bw(("mlp.gate.logits", "grad.mlp.gate.weight"), first_moe), _p_bw_router_weight_detached),
+    Mutation("bw_mla_gate_detached", "MLA head gate's gradient dropped (sigmoid(g_proj) detached) → backward "
+             "attention.g_proj / grad.attention.g_proj.weight of the first MLA layer", "tiny",
+             _bw(("attention.g_proj", "grad.attention.g_proj.weight"), first_mla), _p_bw_mla_gate_detached),
+    Mutation("bw_shared_expert_grad_twice", "shared expert's gradient scaled twice (custom_vjp identity ×2 on its "
+             "output) → backward mlp.shared_experts of the first MoE layer", "tiny",
+             _bw(("mlp.shared_experts",), first_moe), _p_bw_shared_grad_twice),
+]}
+
+
 class MutantTarget(ReferenceTarget):
     """The reference target with one catalogue bug injected (see the module doc for how)."""
 
     def __init__(self, mutation: str, *, ckpt_dir: str | Path | None = None, **kw) -> None:
         super().__init__(**kw)
-        known = {**MUTATIONS, **VARIANT_PLANTS}
+        known = {**MUTATIONS, **VARIANT_PLANTS, **BACKWARD_MUTATIONS}
         if mutation not in known:
             raise ValueError(f"unknown mutation {mutation!r}: expected one of {sorted(known)}")
         self.mutation = known[mutation]
@@ -703,15 +795,28 @@ class MutantTarget(ReferenceTarget):
                 self._jit = layer.decoder_layer_jit
                 return self._jit
 
-            def mutated_layer(p, h, positions, spec, state=None, forced_idx=None):  # fresh object per instance
-                with patched(patches):
-                    return layer.decoder_layer(p, h, positions, spec, state, forced_idx)
-
             from parity.jax_ling3 import REFERENCE_COMPILER_OPTIONS
 
-            self._jit = jax.jit(mutated_layer, static_argnames=("spec",),
+            self._jit = jax.jit(self._layer_pure_fn(), static_argnames=("spec",),
                                 compiler_options=REFERENCE_COMPILER_OPTIONS)
         return self._jit
+
+    def _layer_pure_fn(self):
+        """The patched layer function, un-jitted: `_layer_fn` jits it, the backward differentiates it (so every
+        mutant applies to the backward too, and a backward-only mutant's patches reach the VJP)."""
+        if getattr(self, "_pure", None) is None:
+            from parity.jax_ling3 import layer
+
+            patches = self.mutation.patches()
+            if not patches:
+                self._pure = layer.decoder_layer
+            else:
+                def mutated_layer(p, h, positions, spec, state=None, forced_idx=None, probes=None):  # fresh object
+                    with patched(patches):
+                        return layer.decoder_layer(p, h, positions, spec, state, forced_idx, probes)
+
+                self._pure = mutated_layer
+        return self._pure
 
     def _isolated_fn(self):
         """Isolated mode: the reference's site functions traced with the same patches, plus the mutation's own
@@ -751,4 +856,4 @@ class PlantedFusedScaleNorm(MutantTarget):
         super().__init__("rmsnorm_fused_scale", **kw)
 
 
-__all__ = ["Expected", "Mutation", "MUTATIONS", "MutantTarget", "PlantedFusedScaleNorm", "VARIANT_PLANTS", "patched"]
+__all__ = ["BACKWARD_MUTATIONS", "Expected", "Mutation", "MUTATIONS", "MutantTarget", "PlantedFusedScaleNorm", "VARIANT_PLANTS", "patched"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.targets.base import LayerResult, Target
+from parity.targets.base import BackwardResult, LayerResult, Target
 
 # Decode steps a prefill's MLA latent cache leaves room for (the dump's decode steps must fit).
 DECODE_ROOM = 128
@@ -73,7 +73,7 @@ def _malloc_trim():
 class ReferenceTarget(Target):
     name = "reference"
     capabilities = frozenset({"q_lora", "swiglu_clamp", "absorbed_decode", "forced_routing", "kda_chunked",
-                              "kda_recurrent", "decode", "mesh", "isolated", "mtp"})
+                              "kda_recurrent", "decode", "mesh", "isolated", "mtp", "backward"})
 
     def __init__(self, *, clamp: bool = True, kda_mode: str = "auto", mla_absorbed: bool = True,
                  kda_gate_dtype: str = "float32", kda_beta_dtype: str = "float32",
@@ -194,6 +194,76 @@ class ReferenceTarget(Target):
         out, pts, new_state = compiled_call(self._layer_fn(), spec, self.params[i], h,
                                             jnp.asarray(positions, jnp.int32), state, fi)
         return LayerResult(np.asarray(out), {k: np.asarray(v) for k, v in pts.items()}, new_state)
+
+    # ---------------------------------------------------------------- backward (issue 26, parity/jax_ling3/backward.py)
+    # Not a buffer: `mlp.gate.expert_bias` only selects experts (facts §5.4), it is no trainable parameter (the
+    # twin registers it as a buffer), so it has no gradient.
+    NOT_TRAINABLE = ("mlp.gate.expert_bias",)
+
+    def layer_backward(self, i: int, hidden: np.ndarray, positions: np.ndarray, cotangent: np.ndarray,
+                       forced_topk: np.ndarray | None = None) -> BackwardResult:
+        """`jax.vjp` of the same layer function `layer_forward` runs (`_layer_pure_fn`, a mutant's too), through the
+        suite's helper (`parity.targets.backward.layer_vjp`); weight gradients mapped back to HF names and shapes
+        (`weights.to_hf_layout`)."""
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.spec import dtype_of
+        from parity.jax_ling3.weights import to_hf_layout
+
+        spec = self.spec(i)
+        dt = dtype_of(self.dtype)
+        fi = None if forced_topk is None else jnp.asarray(forced_topk, jnp.int32)
+        dh, dp, dpr = self._backward_fn()(self.params[i], jnp.asarray(hidden, dt), jnp.asarray(positions, jnp.int32),
+                                          jnp.asarray(cotangent, dt), fi, spec=spec)
+        grads = {k: v for k, v in to_hf_layout(self.cfg, i, dp).items() if k not in self.NOT_TRAINABLE}
+        return BackwardResult(np.asarray(dh), grads, {k: np.asarray(v) for k, v in dpr.items()})
+
+    def head_backward(self, hidden: np.ndarray, d_logits: np.ndarray) -> dict[str, np.ndarray]:
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.backward import head_backward
+        from parity.jax_ling3.spec import dtype_of
+
+        g = self.globals
+        out = head_backward(g["final_norm"], g["lm_head"], jnp.asarray(hidden, dtype_of(self.dtype)),
+                            jnp.asarray(d_logits, jnp.float32), eps=float(self.cfg.rms_norm_eps))
+        return {"final_norm": np.asarray(out["final_norm"]), "input": np.asarray(out["input"]),
+                "grad.model.norm.weight": np.asarray(out["final_norm_w"]),
+                "grad.lm_head.weight": np.ascontiguousarray(np.asarray(out["lm_head"]).T)}  # [D,V] -> HF [V,D]
+
+    def embed_backward(self, input_ids: np.ndarray, d_embed: np.ndarray) -> np.ndarray:
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.backward import embed_backward
+
+        pad = getattr(self.cfg, "pad_token_id", None)
+        return np.asarray(embed_backward(self.globals["embed"], jnp.asarray(input_ids, jnp.int32),
+                                         jnp.asarray(d_embed), pad_id=None if pad is None else int(pad)))
+
+    def loss_backward(self, logits: np.ndarray, input_ids: np.ndarray) -> tuple[float, np.ndarray]:
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.backward import loss_backward
+
+        loss, d = loss_backward(jnp.asarray(logits, jnp.float32), jnp.asarray(input_ids, jnp.int32))
+        return float(loss), np.asarray(d)
+
+    def _layer_pure_fn(self):
+        """The un-jitted layer function (`decoder_layer`'s signature, with `probes`) the backward differentiates:
+        `_layer_fn`'s computation (a subclass swapping one swaps the other, e.g. `mutants.MutantTarget`)."""
+        from parity.jax_ling3.layer import decoder_layer
+
+        return decoder_layer
+
+    def _backward_fn(self):
+        """The jitted layer VJP over `_layer_pure_fn` (one per target instance and layer function)."""
+        fn = self._layer_pure_fn()
+        cached = getattr(self, "_bwd_jit", None)
+        if cached is None or cached[0] is not fn:
+            from parity.jax_ling3.backward import make_layer_backward_jit
+
+            cached = self._bwd_jit = (fn, make_layer_backward_jit(fn))
+        return cached[1]
 
     # ---------------------------------------------------------------- MTP layers (parity/jax_ling3/mtp.py)
     def load_mtp(self, j: int, hf_tensors: dict[str, np.ndarray]) -> None:
