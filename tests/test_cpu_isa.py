@@ -11,8 +11,12 @@ from parity import cpu_isa
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    # setenv first: monkeypatch records a variable's prior state only when it touches one that exists, so a plain
+    # delenv of an absent variable would let the guard's own os.environ writes leak into later tests of this worker
+    # (they capped oneDNN there and skipped the golden regeneration checks as "another CPU kind")
     for v in (cpu_isa.ISA_VAR, cpu_isa.LEGACY_ISA_VAR, cpu_isa.PROBE_VAR):
-        monkeypatch.delenv(v, raising=False)
+        monkeypatch.setenv(v, "")
+        monkeypatch.delenv(v)
     return monkeypatch
 
 
