@@ -11,6 +11,11 @@ Measured with the table calibrated by `tools/calibrate.py --seeds 1,2,3,4 --prom
 (fp32 tier). The earlier 2-seed table raised a false alarm on seed 5 (fp32 KDA core, one near-zero element) and on the
 bundled tiny-flash bf16 dump (one ill-conditioned o_norm row); the larger corpus and dropping per-element hard limits
 in the propagating modes (parity/calibration/rules.py `propose_rule`) removed both.
+
+Backward points (issue 26): `--grads` dumps of fresh checkpoints (seeds 11-20, disjoint from the gradient corpus'
+seeds, tools/calibrate.py corpus --only grads), fp32 and bf16, both presets, 40-token (recurrent KDA) and 160-token
+(chunked KDA) prompts, replayed in layer mode (the teacher-forced backward): 0 failing backward points. Default run:
+2 of the 20 cases (tiny fp32 40 tokens, tiny-flash bf16 160 tokens); `LING3_FULL_SWEEP=1` all 20.
 """
 
 from __future__ import annotations
@@ -76,6 +81,62 @@ def test_correct_target_passes_bundled_dump(dump):
         if not report["passed"]:
             alarms.append(f"{mode}: {_failures(report)}")
     assert not alarms, f"{os.path.basename(dump)}: false alarm — " + " | ".join(alarms)
+
+
+GRAD_CASES = [(s, d) for s in range(11, 21) for d in ("float32", "bfloat16")] if FULL else \
+    [(11, "float32"), (14, "bfloat16")]
+
+
+def _grads_prompt_len(seed: int) -> int:
+    """40 tokens (recurrent KDA backward) or 160 (chunked), alternating in pairs of seeds so both presets get both."""
+    return 40 if (seed - 11) // 2 % 2 == 0 else 160
+
+
+def _backward_alarms(report: dict, n: int = 8) -> tuple[int, list[str]]:
+    """(backward points that passed, the failing or missing backward points)."""
+    bw = [p for p in report["points"] if p["phase"] == "backward"]
+    bad = [f"L{p.get('layer')}/{p['site']}: {p['status']} max_ulp={p.get('max_ulp')} rel_l2={p.get('rel_l2')}"
+           for p in bw if p["status"] in ("fail", "missing")]
+    return sum(p["status"] == "pass" for p in bw), bad[:n] + ([f"... {len(bad) - n} more"] if len(bad) > n else [])
+
+
+@pytest.mark.parametrize("seed,dtype", GRAD_CASES)
+def test_correct_target_passes_backward_points(seed, dtype, tmp_path):
+    """A --grads dump of a fresh checkpoint replayed in layer mode: every backward point passes the calibrated
+    gradient rules (and the forward points theirs)."""
+    from parity.model.config import Ling3Config
+    from parity.replay import run_replay
+    from parity.torch_ref.ckpt import make_checkpoint
+    from parity.torch_ref.dump import DumpOptions, dump_checkpoint
+    from parity.torch_ref.prompts import builtin_ids
+
+    preset, T = ("tiny" if seed % 2 else "tiny-flash"), _grads_prompt_len(seed)
+    ckpt = make_checkpoint(tmp_path / "ckpt", preset, seed=seed, dtype="bfloat16")
+    cfg = Ling3Config.from_pretrained_dir(ckpt, strict=False)
+    dump = tmp_path / "d.h5"
+    dump_checkpoint(ckpt, dump, builtin_ids(cfg.vocab_size, T, seed),
+                    DumpOptions(dtype=dtype, decode_steps=0, progress=False, seed=seed, grads=True))
+    report = run_replay(dump, ckpt, mode="layer")
+    passed, alarms = _backward_alarms(report)
+    assert passed > 500, report["counts"]  # the replay really compared the backward phase
+    assert not alarms, f"seed {seed} ({preset}, T={T}, {dtype}): backward false alarm — " + "; ".join(alarms)
+    assert report["passed"], f"seed {seed} ({preset}, T={T}, {dtype}): forward false alarm — {_failures(report)}"
+
+
+def test_backward_sweep_detects_a_broken_subject():
+    """The backward sweep's assertion can fail: a backward-only bug (the shared expert's gradient scaled twice,
+    forward bit-identical) on a bundled --grads dump gives backward alarms."""
+    from parity.dumpfile import DumpReader
+    from parity.replay import run_replay
+    from parity.replay.coverage import has_backward
+    from parity.targets.mutants import MutantTarget
+
+    dump = next((d for d in BUNDLED if has_backward(DumpReader(d))), None) or pytest.skip("no bundled --grads dump")
+    with DumpReader(dump) as r:
+        moe = next(i for i in range(r.config.num_hidden_layers) if r.config.is_moe(i))
+    report = run_replay(dump, target=MutantTarget("bw_shared_expert_grad_twice"), layers=[moe], mode="layer")
+    _, alarms = _backward_alarms(report)
+    assert any("mlp.shared_experts" in a for a in alarms), alarms
 
 
 def test_sweep_detects_a_broken_subject(tmp_path):

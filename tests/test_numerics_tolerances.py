@@ -230,10 +230,19 @@ def test_bad_calibration_file_names_file_section_and_field(text, pattern):
 
 def test_shipped_calibration_sections_set_disjoint_fields():
     """The shipped sections set disjoint rule fields (tolerances: the criteria; safety_bounds: bound_rms;
-    exactness_rates: inexact_row_rate, norm_scale_noise), so their lookup order cannot change any value."""
+    exactness_rates: inexact_row_rate, norm_scale_noise), so their lookup order cannot change any value; the gradient
+    rules (first) set every field of backward points only."""
     from parity.numerics.tolerances import calibrated_sections
 
-    secs = calibrated_sections()
+    from parity.numerics.tolerances import RULE_FIELDS
+
+    secs = dict(calibrated_sections())  # a copy: the loader's result is cached
+    # the gradient rules come first, match only backward points (`backward/<site>`, parity.replay.judge.rule_site)
+    # and set every field there, so no other section's value reaches a gradient and they change no activation's
+    grads = secs.pop("gradient_tolerances")
+    assert grads.entries and all(e.site.startswith("backward/") and {f for f, _ in e.fields} == set(RULE_FIELDS)
+                                 for e in grads.entries)
+    assert not any(e.site.startswith("backward") for t in secs.values() for e in t.entries)
     fields = {name: {f for e in t.entries for f, _ in e.fields} for name, t in secs.items()}
     assert [n for n in fields if not n.startswith("kda_chunk_bf16_")] == ["tolerances", "safety_bounds",
                                                                           "exactness_rates"]

@@ -4,13 +4,14 @@
     python tools/calibrate.py corpus [--seeds 1,2,3,4 --prompt-lens 40,160 --decode-steps 4 ...]
                                      [--exactness-seeds 1,2,3,4 --exactness-prompt-lens 24,100 ...] [--workdir W]
         build the corpus (random checkpoints, twin dumps, reference replays), store the measurements in
-        parity/numerics/calibration/ and write the generated file (as `rules`); --only noise|exactness|kernels walks
-        one corpus and keeps the others' stored measurements (kernels: the real-kernel corpus, --kernel-seeds ...,
-        dumped with fla's Triton kernels by $LING3_TRITON_PYTHON or .venv-triton's Python); --remeasure MODES replays
+        parity/numerics/calibration/ and write the generated file (as `rules`); --only noise|exactness|kernels|grads
+        walks one corpus and keeps the others' stored measurements (kernels: the real-kernel corpus, --kernel-seeds ...,
+        dumped with fla's Triton kernels by $LING3_TRITON_PYTHON or .venv-triton's Python; grads: the gradient corpus,
+        --grad-seeds 1,2 --grad-prompt-lens 40,160 ..., --grads dumps replayed in layer mode); --remeasure MODES replays
         the noise corpus kept in --workdir again in MODES instead of rebuilding it
     python tools/calibrate.py rules [--from parity/numerics/calibration] [--check]
-        re-derive from stored measurements: parity/numerics/calibration.toml (one header; sections tolerances,
-        safety_bounds, exactness_rates) and the reports calibration/calibration.md, calibration/measurements.json;
+        re-derive from stored measurements: parity/numerics/calibration.toml (one header; sections
+        gradient_tolerances, the real-kernel ones, tolerances, safety_bounds, exactness_rates) and the reports calibration/calibration.md, calibration/measurements.json;
         --check writes nothing and exits 1 naming every file that differs
     python tools/calibrate.py resolution [--dump D ...] [--modes layer,isolated] [--seeds 5] [--pairs 40] [--json F]
         detection resolution of each replay mode (markdown table; parity.calibration.resolution)
@@ -61,7 +62,8 @@ def _write(files: dict[Path, str | bytes], root: Path) -> None:
 
 def _derive_and_write(meas: K.Measurement, noise_meta: dict, ex_meta: dict, command: str, a: argparse.Namespace) -> None:
     kernels = P.load_kernels(Path(a.out) / P.MEASURED) or P.load_kernels(ROOT / P.MEASURED)
-    files, log = P.derive(meas, noise_meta, ex_meta, command, a.safety, a.bounds_safety, kernels)
+    grads = P.load_grads(Path(a.out) / P.MEASURED) or P.load_grads(ROOT / P.MEASURED)
+    files, log = P.derive(meas, noise_meta, ex_meta, command, a.safety, a.bounds_safety, kernels, grads)
     print("\n".join(log))
     _write({**P.measured_files(meas, noise_meta, ex_meta), **files}, Path(a.out))
 
@@ -76,6 +78,20 @@ def cmd_corpus(a: argparse.Namespace, argv: list[str]) -> int:
                         native_seeds=_ints(a.native_seeds))
     xspec = K.ExactnessSpec(seeds=_ints(a.exactness_seeds), prompt_lens=_ints(a.exactness_prompt_lens),
                             decode_steps=a.exactness_decode_steps)
+    if a.only == "grads":  # the gradient corpus: walked and stored on its own, then every file re-derived
+        gspec = K.GradSpec(presets=_words(a.grad_presets), seeds=_ints(a.grad_seeds),
+                           prompt_lens=_ints(a.grad_prompt_lens), dtypes=_words(a.grad_dtypes))
+        if not gspec.seeds or 0 in gspec.seeds:
+            raise ParityError("corpus --only grads: --grad-seeds must be fresh seeds (not empty, not the bundled 0)")
+        with tempfile.TemporaryDirectory(prefix="ling3-calib-") as tmp:
+            gmeas = K.walk(K.grad_runs(gspec), Path(a.workdir or tmp), log=log)
+        gmeta = {"command": command, "date": today, "machine": R.machine(), "corpus": gspec.__dict__,
+                 "runs": gmeas.runs, "seconds": round(time.perf_counter() - t0, 1)}
+        _write(P.grad_files(gmeas.points, gmeta), Path(a.out))  # stored before deriving: nothing measured is lost
+        meas, noise_meta, ex_meta = P.load(ROOT / P.MEASURED)
+        _derive_and_write(meas, noise_meta, ex_meta, command, a)
+        print(f"done in {time.perf_counter() - t0:.0f}s")
+        return 0
     if a.only == "kernels":  # the real-kernel corpus: walked and stored on its own, then every file re-derived
         kspec = K.KernelSpec(presets=_words(a.kernel_presets), seeds=_ints(a.kernel_seeds),
                              prompt_lens=_ints(a.kernel_prompt_lens), dtypes=_words(a.kernel_dtypes),
@@ -120,7 +136,7 @@ def cmd_corpus(a: argparse.Namespace, argv: list[str]) -> int:
 def cmd_rules(a: argparse.Namespace, argv: list[str]) -> int:
     meas, noise_meta, ex_meta = P.load(Path(a.from_))
     files, log = P.derive(meas, noise_meta, ex_meta, _command(argv), a.safety, a.bounds_safety,
-                          P.load_kernels(Path(a.from_)))
+                          P.load_kernels(Path(a.from_)), P.load_grads(Path(a.from_)))
     print("\n".join(log))
     if a.check:
         stale = [str(rel) for rel, text in files.items() if (Path(a.out) / rel).read_text(encoding="utf-8") != text]
@@ -178,7 +194,13 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--kernel-prompt-lens", default=",".join(map(str, k.prompt_lens)))
     c.add_argument("--kernel-dtypes", default=",".join(k.dtypes))
     c.add_argument("--kernel-decode-steps", type=int, default=k.decode_steps)
-    c.add_argument("--only", choices=("noise", "exactness", "kernels"), default=None,
+    g = K.GradSpec()
+    c.add_argument("--grad-presets", default=",".join(g.presets))
+    c.add_argument("--grad-seeds", default=",".join(map(str, g.seeds)),
+                   help="seeds of the gradient corpus (--grads dumps replayed in layer mode, --only grads)")
+    c.add_argument("--grad-prompt-lens", default=",".join(map(str, g.prompt_lens)))
+    c.add_argument("--grad-dtypes", default=",".join(g.dtypes))
+    c.add_argument("--only", choices=("noise", "exactness", "kernels", "grads"), default=None,
                    help="walk one corpus only; the others' stored measurements are kept (kernels: dumped by "
                         "$LING3_TRITON_PYTHON or .venv-triton's Python, under TRITON_INTERPRET=1 without CUDA)")
     c.add_argument("--remeasure", default=None,

@@ -13,7 +13,13 @@ Runs of one checkpoint and prompt length in both bf16 and fp32 (noise runs) are 
 a separate Python that has triton (`kernel_python`; under Triton's interpreter, TRITON_INTERPRET=1, where there is no
 CUDA device), and replayed here like any other: that is the real-kernel corpus (KernelSpec), whose bf16 dumps record
 `kda_chunk_precision = bfloat16` (the chunk kernel's bf16 intermediates) and are replayed following it.
-`noise_runs`, `exactness_runs` and `kernel_runs` give the three recorded corpora (CorpusSpec, ExactnessSpec, KernelSpec);
+A run with `grads` is dumped with the backward phase (`tools/dump_hf.py --grads`: DumpOptions.grads) and replayed in
+`layer` mode, where the reference's VJP is teacher-forced on each layer's dumped input and output cotangent
+(parity.replay.strategies.observe_backward_layer / observe_backward_model, the replay's own path); each backward point
+gives one gradient measurement (`measure_grad_replay`, statistic `parity.calibration.noise.grad_noise`) ->
+`Measurement.points`: that is the gradient corpus (GradSpec), behind the gradient rules (parity.calibration.gradients).
+`noise_runs`, `exactness_runs`, `kernel_runs` and `grad_runs` give the four recorded corpora (CorpusSpec, ExactnessSpec,
+KernelSpec, GradSpec);
 they keep their own dump recipes (prompt lengths, decode steps, dump seed), so the walk puts them in separate folders
 and the measurements of each stay what the recorded commands produced.
 """
@@ -28,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from parity.calibration.noise import point_noise
+from parity.calibration.noise import grad_noise, point_noise
 from parity.numerics.compare import compare, comparison_grid
 from parity.numerics.tolerances import ToleranceRule
 from parity.model.points import site_class
@@ -37,6 +43,7 @@ Log = Callable[[str], None]
 NOCLAMP = "tiny-flash-noclamp"  # tiny-flash without SwiGLU clamp: the built-in bailing_hybrid has none
 EXACTNESS_DIR = "exactness"  # sub-folder of the workdir holding the exactness corpus
 KERNELS_DIR = "kernels"  # sub-folder of the workdir holding the real-kernel corpus
+GRADS_DIR = "grads"  # sub-folder of the workdir holding the gradient corpus
 # the Python that dumps real-kernel runs: one with triton (the main environment has none, .ci/run's triton step)
 KERNEL_PYTHON_ENV = "LING3_TRITON_PYTHON"
 ROW_COUNT_RULE = ToleranceRule(floor_ulps=0, max_ulps=0, allowed_fraction=1.0, hard_ulps=None)  # only the row counts
@@ -80,6 +87,18 @@ class KernelSpec:
 
 
 @dataclass(frozen=True)
+class GradSpec:
+    """The gradient corpus (the gradient rules, parity.calibration.gradients): fresh checkpoints (seeds other than the
+    bundled 0 and disjoint from the no-false-alarm sweep's 11-20) dumped with the backward phase (`--grads`), prefill
+    only (there is no backward of decode steps), replayed by the reference in `layer` mode (teacher-forced VJP)."""
+
+    presets: tuple[str, ...] = ("tiny", "tiny-flash")
+    seeds: tuple[int, ...] = (1, 2)
+    prompt_lens: tuple[int, ...] = (40, 160)  # ≤ 64: recurrent KDA backward of the official kernel; > 64: chunked
+    dtypes: tuple[str, ...] = ("bfloat16", "float32")
+
+
+@dataclass(frozen=True)
 class Run:
     """One corpus dump and what is measured on it (module docstring)."""
 
@@ -95,6 +114,7 @@ class Run:
     dump_seed: int = 0  # DumpOptions.seed: the exactness corpus was recorded with the run's seed, the noise corpus 0
     causality_check: bool = False  # the exactness corpus was recorded with the dump's causality check on
     kernels: str = ""  # "" = in this process (the stand-ins where fla's kernels cannot run); "fla" = real kernels
+    grads: bool = False  # dumped with the backward phase (--grads) and its gradients measured (the gradient corpus)
 
     @property
     def tag(self) -> str:
@@ -153,6 +173,12 @@ def kernel_runs(spec: KernelSpec) -> list[Run]:
             for name in spec.presets for seed in spec.seeds for T in spec.prompt_lens for dtype in spec.dtypes]
 
 
+def grad_runs(spec: GradSpec) -> list[Run]:
+    """The gradient corpus in walk order: checkpoint × prompt length × dtype, `--grads` dumps without decode steps."""
+    return [Run(name, seed, T, dtype, 0, folder=GRADS_DIR, dump_seed=seed, grads=True)
+            for name in spec.presets for seed in spec.seeds for T in spec.prompt_lens for dtype in spec.dtypes]
+
+
 def _config_of(name: str) -> Any:
     """make_checkpoint's preset argument: the preset name, or for NOCLAMP tiny-flash with both SwiGLU limit lists
     null (the built-in bailing_hybrid has no clamp)."""
@@ -203,6 +229,41 @@ def measure_replay(dump_path: Path, ckpt_dir: Path, mode: str, corpus_id: str, o
                                **point_noise(obs.ref, obs.test, comparison_grid(tdtype))})
         return build_report(ses.config, records, dump=str(dump_path), target=getattr(ses.target, "name", "?"),
                             mode=mode)
+
+
+FED_GRAD_SITES = ("output", "embed")  # backward points the replay feeds from the dump (compared with themselves)
+
+
+def measure_grad_replay(dump_path: Path, ckpt_dir: Path, corpus_id: str, out: Measurement) -> dict:
+    """Replay one `--grads` dump in `layer` mode with the reference target and record one gradient measurement per
+    backward point into `out` (`grad_noise` on the arrays the judge compared, on the grid it compares them: the
+    tensor's own in fp32 runs, bf16 for every gradient of a bf16 run — the gradient rules' compare_dtype); returns
+    the report. Points the replay feeds from the dump (FED_GRAD_SITES) are left out: they are the dump's own."""
+    from parity.numerics.compare import comparison_grid
+    from parity.numerics.tolerances import default_rules
+    from parity.replay import Session, replay_records
+    from parity.reporting.report import build_report
+
+    records = []
+    with Session.open(dump_path, ckpt_dir, mode="layer", rules=default_rules()) as ses:
+        compute = ses.dtype
+        for rec in replay_records(ses):
+            records.append(rec.to_json())
+            p, obs = rec.point, rec.observation
+            if p.phase != "backward" or p.site in FED_GRAD_SITES:
+                continue
+            if rec.status.value not in ("pass", "fail") or obs is None or obs.ref is None or obs.test is None:
+                continue
+            ref, test = np.asarray(obs.ref), np.asarray(obs.test)
+            tdtype = ref.dtype.name
+            if tdtype not in ("bfloat16", "float32") or test.shape != ref.shape:
+                continue
+            grid = "bfloat16" if compute == "bfloat16" else comparison_grid(tdtype)
+            out.points.append({"corpus": corpus_id, "mode": "layer", "phase": p.phase, "step": p.step,
+                               "layer": p.layer, "site": p.site, "compute": compute, "dtype": tdtype,
+                               "status_old_rules": rec.status.value, **grad_noise(ref, test, grid)})
+        return build_report(ses.config, records, dump=str(dump_path), target=getattr(ses.target, "name", "?"),
+                            mode="layer")
 
 
 def measure_dump_pair(ref_path: Path, test_path: Path, kind: str, corpus_id: str, out: Measurement,
@@ -274,7 +335,7 @@ def dump_run(ckpt: str, path: str, run_fields: str, runtime: str = "remote") -> 
     dump_checkpoint(Path(ckpt), Path(path), ids,
                     DumpOptions(runtime=runtime, dtype=run.dtype, decode_steps=run.decode_steps, progress=False,
                                 force=True, seed=run.dump_seed, causality_check=run.causality_check,
-                                cpu_kernels=False if run.kernels == "fla" else None))
+                                cpu_kernels=False if run.kernels == "fla" else None, grads=run.grads))
 
 
 def kernel_python() -> str:
@@ -331,7 +392,7 @@ def _dump(ckpt: Path, path: Path, run: Run, runtime: str, out: Measurement, log:
         _dump_with_real_kernels(ckpt, path, run)
     else:
         dump_run(str(ckpt), str(path), json.dumps(dataclasses.asdict(run)), runtime)
-    if run.noise_modes:  # the exactness corpus never recorded its steps' times
+    if run.noise_modes or run.grads:  # the exactness corpus never recorded its steps' times
         out.runs.append({"what": f"dump {runtime}{' fla' if run.kernels else ''} {path.name}", "seconds": round(time.perf_counter() - t0, 1)})
     log(f"dumped {path.name} ({runtime}) in {time.perf_counter() - t0:.1f}s")
 
@@ -340,6 +401,14 @@ def measure_run(run: Run, ckpt: Path, folder: Path, out: Measurement, log: Log =
     """Dump one run and take its measurements into `out`; returns the dump's path."""
     path = folder / run.dump_name
     _dump(ckpt, path, run, "remote", out, log)
+    if run.grads:
+        t0 = time.perf_counter()
+        n0 = len(out.points)
+        rep = measure_grad_replay(path, ckpt, run.corpus_id, out)
+        out.runs.append({"what": f"replay layer {run.corpus_id} (backward)", "seconds": round(time.perf_counter() - t0, 1),
+                         "counts_old_rules": rep["counts"]})
+        log(f"replayed {run.corpus_id} layer in {time.perf_counter() - t0:.1f}s: {len(out.points) - n0} gradient "
+            f"points, {rep['counts']} (old rules)")
     for mode in run.noise_modes:
         t0 = time.perf_counter()
         rep = measure_replay(path, ckpt, mode, run.corpus_id, out)
@@ -412,6 +481,6 @@ def remeasure(meas: Measurement, workdir: Path, modes: Sequence[str], log: Log =
     return out
 
 
-__all__ = ["CorpusSpec", "EXACTNESS_DIR", "ExactnessSpec", "KERNELS_DIR", "KernelSpec", "Measurement", "NOCLAMP",
-           "ROW_COUNT_RULE", "Run", "dump_run", "exactness_runs", "kernel_python", "kernel_runs", "measure_dump_pair", "measure_replay", "measure_run", "noise_runs", "preset_of",
+__all__ = ["CorpusSpec", "EXACTNESS_DIR", "ExactnessSpec", "FED_GRAD_SITES", "GRADS_DIR", "GradSpec", "KERNELS_DIR", "KernelSpec", "Measurement", "NOCLAMP",
+           "ROW_COUNT_RULE", "Run", "dump_run", "exactness_runs", "grad_runs", "measure_grad_replay", "kernel_python", "kernel_runs", "measure_dump_pair", "measure_replay", "measure_run", "noise_runs", "preset_of",
            "remeasure", "replay_rows", "walk"]

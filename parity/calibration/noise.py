@@ -88,3 +88,36 @@ def point_noise(ref: Any, test: Any, grid: str) -> dict:
         "nonfinite_mismatches": n_nonfinite_mismatch,
         "by_floor": by_floor,
     }
+
+
+# ------------------------------------------------------------------------------------------------ one gradient
+def grad_noise(ref: Any, test: Any, grid: str) -> dict:
+    """Noise statistics of one backward point compared on `grid`, as the backward judge compares it
+    (parity.replay.judge.compare_gradient): the whole tensor is one row, so `need` = |Δ| / ulp(RMS of the tensor)
+    is the floor (in ULPs of the tensor's RMS) an element needs to pass by the floor. Records the worst and p99.9
+    `need`, the floor the fp32 tier needs (every element outside it within rtol 1e-5), and the *tail*: (need, raw
+    ULP distance) of every element whose need is above the tensor's p99.9 — exactly the elements a floor at or above
+    that p99.9 can leave outside, so the count above any max_ulps outside any such floor is known from the tail
+    (parity.calibration.gradients)."""
+    r, t = to_dtype(np.asarray(ref), grid).reshape(-1), to_dtype(np.asarray(test), grid).reshape(-1)
+    if r.shape != t.shape:
+        raise ValueError(f"grad_noise: reference size {r.size} != test size {t.size}")
+    cr, ct = value_class(r), value_class(t)
+    fin = (cr == FINITE) & (ct == FINITE)
+    rv, tv = np.where(fin, r.astype(np.float64), 0.0), np.where(fin, t.astype(np.float64), 0.0)
+    raw = np.where(fin, np.abs(ordered_int(r) - ordered_int(t)), 0)
+    diff = np.abs(rv - tv)
+    rms = math.sqrt(float((rv * rv).sum()) / max(int(fin.sum()), 1))
+    need = diff / float(ulp_of(np.float64(rms), grid))
+    mx, _, p999 = _fquantiles(need)
+    tail = need > p999
+    outside = diff > RTOL_FP32 * np.abs(rv)
+    nref = math.sqrt(float((rv * rv).sum()))
+    return {
+        "n": int(r.size), "grid": grid, "rms": rms, "max_ulp_raw": int(raw.max()) if raw.size else 0,
+        "floor_needed": mx, "floor_needed_p999": p999,
+        "rtol_floor_needed": float(need[outside].max()) if outside.any() else 0.0,
+        "rel_l2": float(np.sqrt((diff * diff).sum()) / nref) if nref > 0 else (0.0 if not diff.any() else math.inf),
+        "nonfinite_mismatches": int((cr != ct).sum()),
+        "tail": [[float(f"{a:.6g}"), int(b)] for a, b in zip(need[tail].tolist(), raw[tail].tolist())],
+    }

@@ -4,13 +4,16 @@ Measurements (in `parity/numerics/calibration/`, written by `python tools/calibr
   points.json.gz, routing.json.gz, measurements.json  the noise corpus (CorpusSpec) and its provenance
   exactness_rows.json.gz, exactness_corpus.json         the exactness corpus (ExactnessSpec) and its provenance
   kernel_*.json.gz, kernel_corpus.json                  the real-kernel corpus (KernelSpec), where one was walked
+  grad_points.json.gz, grad_corpus.json                  the gradient corpus (GradSpec), where one was walked
 Generated (`derive`): parity/numerics/calibration.toml — ONE file, one header (the command that generated it, and the
-command, date and machine of each corpus), one section per derived quantity in lookup order (`SECTIONS`): the
-tolerance rules (parity.calibration.rules), the per-element safety bounds (parity.calibration.bounds), the exactness
-rates and norm-scale noise (parity.calibration.exactness_rates); read by `parity.numerics.tolerances.default_rules`.
+command, date and machine of each corpus), one section per derived quantity in lookup order: the gradient rules of
+the backward phase (parity.calibration.gradients, first: they match only `backward/*` sites), the conditional
+real-kernel sections, then `SECTIONS`: the tolerance rules (parity.calibration.rules), the per-element safety bounds
+(parity.calibration.bounds), the exactness rates and norm-scale noise (parity.calibration.exactness_rates); read by
+`parity.numerics.tolerances.default_rules`.
 Beside it, reports of the same derivation: calibration/calibration.md and the aggregates of measurements.json.
-A new class of derived rules (e.g. gradient tolerances) is one more section: its entries function, a line of
-`SECTIONS`, and its method comment.
+A new class of derived rules is one more section: its entries function, its place in the lookup order, and its
+method comment (as the gradient rules' section).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 from parity.calibration import bounds as B
 from parity.calibration import exactness_rates as X
+from parity.calibration import gradients as G
 from parity.calibration import rules as R
 from parity.calibration.corpus import CorpusSpec, Measurement
 from parity.errors import ParityError
@@ -79,6 +83,24 @@ def load(folder: Path) -> tuple[Measurement, dict, dict]:
 
 
 KERNEL_FILES = ("kernel_points.json.gz", "kernel_routing.json.gz", "kernel_rows.json.gz", "kernel_corpus.json")
+GRAD_FILES = ("grad_points.json.gz", "grad_corpus.json")
+
+
+def load_grads(folder: Path) -> tuple[list[dict], dict] | None:
+    """(gradient points, metadata) of the gradient corpus stored in `folder`, or None where none was walked."""
+    folder = Path(folder)
+    if not (folder / "grad_corpus.json").exists():
+        return None
+    meta = _read_json(folder / "grad_corpus.json")
+    for k in ("command", "date", "machine", "corpus", "runs"):
+        _field(meta, k, folder / "grad_corpus.json")
+    return _read_json(folder / "grad_points.json.gz", gz=True), meta
+
+
+def grad_files(points: list[dict], meta: dict) -> dict[Path, bytes]:
+    """The gradient corpus' measurements as files ({repository-relative path: bytes})."""
+    return {MEASURED / "grad_points.json.gz": gzip.compress(json.dumps(points).encode("utf-8"), mtime=0),
+            MEASURED / "grad_corpus.json": json.dumps(meta, indent=1).encode("utf-8")}
 
 
 def load_kernels(folder: Path) -> tuple[Measurement, dict] | None:
@@ -244,13 +266,33 @@ def derive_kernel_sections(points: list[dict], rules: list[R.ProposedRule], boun
     return sections, log
 
 
+def derive_grad_section(points: list[dict], meta: dict, safety: float = G.SAFETY) \
+        -> tuple[tuple[str, str, str], list[str]]:
+    """The gradient rules' section (name, method comment, entries) from the gradient corpus, and the lines to print.
+    Raises CalibrationError where the corpus holds a NaN/Inf mismatch or a point fails the rule derived from it."""
+    try:
+        rules = G.derive_grad_rules(points, safety)
+    except ValueError as e:
+        raise CalibrationError(f"gradient rules: {e}") from None
+    bad = G.check_points(points, rules)
+    if bad:
+        raise CalibrationError(f"gradient rules: {len(bad)} corpus point(s) fail the rule derived from them, first "
+                               f"{bad[0]}")
+    log = [f"gradient corpus: {len(points)} points, {len({p['corpus'] for p in points})} runs; every point passes"]
+    log += [f"gradient rule {r.cls} · {r.compute} ({r.n_points} points): floor_ulps {r.fields['floor_ulps']:g}, "
+            f"allowed_fraction {r.fields['allowed_fraction']:g} — {r.basis}" for r in rules]
+    return (G.SECTION, G.grad_method(meta, len(points), safety), G.grad_entries(rules, G.SECTION)), log
+
+
 def derive(meas: Measurement, noise_meta: dict, ex_meta: dict, command: str, safety: float = R.SAFETY,
-           bounds_safety: float | None = None, kernels: tuple[Measurement, dict] | None = None) \
-        -> tuple[dict[Path, str], list[str]]:
+           bounds_safety: float | None = None, kernels: tuple[Measurement, dict] | None = None,
+           grads: tuple[list[dict], dict] | None = None) -> tuple[dict[Path, str], list[str]]:
     """Every generated file ({repository-relative path: text}) and the lines to print, from stored measurements.
     `command` is this derivation's command (recorded in the calibration file's header with each corpus' command).
     `kernels`: the real-kernel corpus (`load_kernels`), which adds the conditional sections of real-kernel bf16 dumps.
-    Raises CalibrationError when a corpus point is beyond the safety bound derived from it."""
+    `grads`: the gradient corpus (`load_grads`), which adds the gradient rules' section (first in lookup order).
+    Raises CalibrationError when a corpus point is beyond the safety bound derived from it, or fails the gradient
+    rule derived from it."""
     from parity.numerics.tolerances import parse_calibration
 
     noise = Provenance(noise_meta["command"], noise_meta["date"], noise_meta["machine"])
@@ -297,15 +339,20 @@ def derive(meas: Measurement, noise_meta: dict, ex_meta: dict, command: str, saf
                 (B.SECTION, bounds_method(bsafety, growth_text), bounds_text),
                 (X.SECTION, exactness_method(len(meas.rows)), rates_text)]
     when = {}
+    corpora = [("noise corpus", noise), ("exactness corpus", ex)]
     if kernels is not None:
         kmeas, kmeta = kernels
         ksections, klog = derive_kernel_sections(points, rules, bounds, bsafety, meas.rows, kmeas, kmeta, safety)
         log += klog
         sections = ksections + sections
         when = {name: KERNEL_WHEN for name, _, _ in ksections}
-        head = header(command, [("noise corpus", noise), ("exactness corpus", ex),
-                                ("real-kernel corpus", Provenance(kmeta["command"], kmeta["date"], kmeta["machine"]))],
-                      [name for name, _, _ in sections])
+        corpora.append(("real-kernel corpus", Provenance(kmeta["command"], kmeta["date"], kmeta["machine"])))
+    if grads is not None:  # the backward phase's rules: their own sites (`backward/*`), first in lookup order
+        gsection, glog = derive_grad_section(*grads, safety)
+        log += glog
+        sections = [gsection] + sections
+        corpora.append(("gradient corpus", Provenance(grads[1]["command"], grads[1]["date"], grads[1]["machine"])))
+    head = header(command, corpora, [name for name, _, _ in sections])
     text = calibration_toml(head, sections, when)
     parsed = parse_calibration(text, str(CALIBRATION))  # the file reads back as written
     if kernels is not None:  # every real-kernel bf16 point within the bound its dumps are judged by
@@ -337,4 +384,5 @@ def measured_files(meas: Measurement, noise_meta: dict, ex_meta: dict) -> dict[P
 
 
 __all__ = ["CALIBRATION", "CalibrationError", "MEASURED", "NUMERICS", "Provenance", "SECTIONS", "calibration_toml",
-           "derive", "header", "kernel_files", "load", "load_kernels", "measured_files", "noise_spec"]
+           "derive", "derive_grad_section", "grad_files", "header", "kernel_files", "load", "load_grads",
+           "load_kernels", "measured_files", "noise_spec"]

@@ -176,7 +176,8 @@ def compare_gradient(ref: np.ndarray, test: np.ndarray, rule, name: str = ""):
     (cotangents) of terms of both signs; its rounding error scales with the terms, i.e. with the tensor, and a row
     whose exact value cancels to ~0 (a saturated KDA gate's sigmoid, a token routed nowhere near an expert) carries
     the tensor's absolute error, not its own (measured: fp32 f_proj cotangent rows at 1.5e8 ULPs of their own RMS
-    with rel-L2 ~1e-5; tests/measure_grad_noise.py). Indices in the verdict are the tensor's own."""
+    with rel-L2 ~1e-5; the gradient corpus, parity.calibration.gradients). Indices in the verdict are the tensor's
+    own."""
     import dataclasses
 
     from parity.numerics.compare import compare
@@ -193,8 +194,8 @@ def compare_gradient(ref: np.ndarray, test: np.ndarray, rule, name: str = ""):
 
 def rule_site(point: Point) -> str:
     """The site name the tolerance rules are looked up by: `_base(site)`, and for the backward phase
-    `backward/<site>` (gradients have their own rules, parity/numerics/gradient_tolerances.toml: gradient noise is
-    not activation noise)."""
+    `backward/<site>` (gradients have their own rules, the `gradient_tolerances` section of calibration.toml,
+    parity.calibration.gradients: gradient noise is not activation noise)."""
     base = _base(point.site)
     return f"backward/{base}" if point.phase == "backward" else base
 
