@@ -146,3 +146,13 @@ def test_grad_run_plan_is_the_recorded_corpus(stored_grads):
     assert 0 not in spec.seeds and not set(spec.seeds) & set(range(11, 21))  # fresh, disjoint from the sweep
     assert {p["compute"] for p in points} == {"float32", "bfloat16"}
     assert {G.grad_class(p["site"]) for p in points} == {c for c, _ in G.CLASSES}
+
+
+def test_rules_records_the_derivation_not_where_it_was_written():
+    """`rules --check` and `rules --out DIR` record the same command as `rules`, so the identity check compares like
+    with like (the header names the generating command)."""
+    from tests.test_calibration_pipeline import _tool
+
+    cal = _tool("calibrate")
+    assert cal._recorded(["rules", "--check", "--out", "x", "--from", "d"]) == ["rules", "--from", "d"]
+    assert cal._recorded(["rules", "--out=x"]) == ["rules"]

@@ -133,9 +133,25 @@ def cmd_corpus(a: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _recorded(argv: list[str]) -> list[str]:
+    """The `rules` arguments the generated header records: without --check and --out DIR, which change where (or
+    whether) the files are written, not what they hold — so `rules --check` compares against what `rules` wrote."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x == "--check" or x.startswith("--out="):
+            pass
+        elif x == "--out":
+            skip = True
+        else:
+            out.append(x)
+    return out
+
+
 def cmd_rules(a: argparse.Namespace, argv: list[str]) -> int:
     meas, noise_meta, ex_meta = P.load(Path(a.from_))
-    files, log = P.derive(meas, noise_meta, ex_meta, _command(argv), a.safety, a.bounds_safety,
+    files, log = P.derive(meas, noise_meta, ex_meta, _command(_recorded(argv)), a.safety, a.bounds_safety,
                           P.load_kernels(Path(a.from_)), P.load_grads(Path(a.from_)))
     print("\n".join(log))
     if a.check:
