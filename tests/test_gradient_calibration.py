@@ -26,7 +26,9 @@ def _pair(seed: int, n: int = 4000, dtype: str = "bfloat16"):
     ref = rng.standard_normal(n)
     ref[:20] *= 1e-3
     test = ref * (1 + 0.01 * rng.standard_normal(n))
-    test[rng.choice(n, 9, replace=False)] += 0.8  # outliers: each a fraction of the tensor RMS
+    test[rng.choice(n, 12, replace=False)] += rng.uniform(0.3, 6.0, 12)  # outliers of 0.3 to 6 tensor RMS
+    ref[-6:] = test[-6:] = 40.0  # large elements: a large |Δ| there is few raw ULPs
+    test[-6:] += np.array([0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
     dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
     return ref.astype(dt), test.astype(dt)
 
@@ -59,11 +61,17 @@ def test_count_over_is_the_judges_count(seed):
     ref, test = _pair(seed)
     st = {**grad_noise(ref, test, "bfloat16"), "corpus": "t", "layer": 0, "site": "mlp", "compute": "bfloat16"}
     base = dict(max_ulps=2, allowed_fraction=0.0, hard_ulps=None, compare_dtype="bfloat16")
-    for F in (st["floor_needed_p999"], 2 * st["floor_needed_p999"], 6, 8, 12, 16, 24, 32, 48, 64, 96, 128):
+    counts = []
+    for F in (st["floor_needed_p999"], 2 * st["floor_needed_p999"], 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256,
+              384, 512, 768):
         if F < st["floor_needed_p999"]:
             continue
-        v = compare_gradient(ref.reshape(40, 100), test.reshape(40, 100), ToleranceRule(floor_ulps=F, **base))
-        assert v.n_over == G.count_over(st, F, 2), F
+        for M in (2, 64):
+            v = compare_gradient(ref.reshape(40, 100), test.reshape(40, 100),
+                                 ToleranceRule(floor_ulps=F, **{**base, "max_ulps": M}))
+            assert v.n_over == G.count_over(st, F, M), (F, M)
+            counts.append(v.n_over)
+    assert max(counts) > 0 and min(counts) == 0  # outliers counted at some floors, none at the largest
     rule = G.derive_rule("grad_activation", "bfloat16", [st])
     fields = {k: (None if v == "off" else v) for k, v in rule.fields.items()}
     assert compare_gradient(ref, test, ToleranceRule(**fields)).passed
