@@ -530,6 +530,38 @@ class PortlikeTarget(Target):
         missing = {s: why for s in backward_sites(self.cfg, i) if not s.startswith("grad.") and s != "input"}
         return BackwardResult(pb.unpack(np.asarray(dh)), grads, {}, missing)
 
+    # The model-level VJPs: this port's head and embedding are the reference's functions (`head` above calls
+    # `model.head_jit`, `embed` gathers rows), so their VJPs are the reference's `jax.vjp`s, with this port's weights.
+    def head_backward(self, hidden, d_logits) -> dict[str, np.ndarray]:
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.backward import head_backward
+        from parity.jax_ling3.spec import dtype_of
+
+        g = self.glob
+        out = head_backward(g["final_norm"], g["lm_head"], jnp.asarray(hidden, dtype_of(self.dtype)),
+                            jnp.asarray(d_logits, jnp.float32), eps=float(self.cfg.rms_norm_eps))
+        return {"final_norm": np.asarray(out["final_norm"]), "input": np.asarray(out["input"]),
+                "grad.model.norm.weight": np.asarray(out["final_norm_w"]),
+                "grad.lm_head.weight": np.ascontiguousarray(np.asarray(out["lm_head"]).T)}  # [D,V] -> HF [V,D]
+
+    def embed_backward(self, input_ids, d_embed) -> np.ndarray:
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.backward import embed_backward
+
+        pad = getattr(self.cfg, "pad_token_id", None)
+        return np.asarray(embed_backward(self.glob["embed"], jnp.asarray(input_ids, jnp.int32), jnp.asarray(d_embed),
+                                         pad_id=None if pad is None else int(pad)))
+
+    def loss_backward(self, logits, input_ids) -> tuple[float, np.ndarray]:
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.backward import loss_backward
+
+        loss, d = loss_backward(jnp.asarray(logits, jnp.float32), jnp.asarray(input_ids, jnp.int32))
+        return float(loss), np.asarray(d)
+
 
 # Inverse of the loader's second step (module construction in `_modules`): this port's parameter path ->
 # the `convert_layer` (JAX layout) key it was built from. `conv_w` stacks q, k, v ([3,P,W]).
