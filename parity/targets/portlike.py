@@ -523,7 +523,7 @@ class PortlikeTarget(Target):
         graphdef, params = nnx.split(self.blocks[i])
         dh, dp = _bwd_jit()(graphdef, params, jnp.asarray(pb.pack(hidden), dt), jnp.asarray(pb.pack(cotangent), dt),
                             meta, self._new_pool(i, B, cap), forced, statics)
-        grads = port_grads_to_hf(self.cfg, i, nnx.State(dp).to_pure_dict() if not isinstance(dp, dict) else dp)
+        grads = port_grads_to_hf(self.cfg, i, nnx.to_pure_dict(dp))
         why = "portlike's backward is the suite's layer_vjp of its block without probes: no sub-module cotangents"
         from parity.model.points import backward_sites
 
