@@ -139,3 +139,54 @@ def test_install_refuses_outside_the_interpreter(monkeypatch):
     with pytest.raises(Exception, match="TRITON_INTERPRET is not 1"):
         triton_interp.install()
     assert triton_interp.installed() == []
+
+
+# ------------------------------------------------------------------------------------------------ backward (issue 26)
+# fla's backward kernels (chunk_kda's; under the interpreter with patch 6, bf16x3 dots) against the stand-ins'
+# autograd: the gradients a `--grads` dump records on CPU must be the ones fla's kernels give up to summation order.
+# Bound: rel-L2 per input gradient, fp32, measured 2026-11-26 (2-core Xeon VM, triton 3.9.0, fla 0.6.0): worst of the
+# cases below 8.4e-6 (A_log's; printed by the test with -s), q/k/v/beta 2-4e-6 -> bound 1e-4 (fp32 summation order;
+# the detached-gate bug below moves g / A_log / dt_bias by O(1)).
+GRAD_BOUND = 1e-4
+GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+
+
+def grads_of(fn, kw: dict, seed: int) -> dict[str, torch.Tensor]:
+    """d(<o, Ro> + <S, RS>)/d input for fixed random cotangents Ro, RS (the same for both implementations)."""
+    kw = {k: (v.detach().clone().requires_grad_(True) if k in GRAD_INPUTS else v) for k, v in kw.items()}
+    o, s = fn(**kw)
+    gen = torch.Generator().manual_seed(100 + seed)
+    loss = (o.float() * torch.randn(o.shape, generator=gen)).sum() + (s * torch.randn(s.shape, generator=gen)).sum()
+    loss.backward()
+    return {k: kw[k].grad for k in GRAD_INPUTS}
+
+
+def grad_errors(fn_real, fn_ours, T: int, seed: int) -> dict[str, float]:
+    kw = kda_inputs(T, torch.float32, seed)
+    real, ours = grads_of(fn_real, kw, seed), grads_of(fn_ours, kw, seed)
+    for k in GRAD_INPUTS:
+        assert real[k] is not None and torch.isfinite(real[k]).all(), f"fla's gradient of {k}: {real[k]}"
+    return {k: (rel_l2(ours[k], real[k]) if ours[k] is not None else float("inf")) for k in GRAD_INPUTS}
+
+
+def _chunk_real(**kw):
+    return chunk_kda(**kw, safe_gate=True)
+
+
+def _chunk_ours(**kw):
+    return fla_cpu.chunk_kda(**kw, safe_gate=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_real_backward_kernels_match_stand_in_autograd(seed):
+    errs = grad_errors(_chunk_real, _chunk_ours, 100, seed)
+    print("rel-L2 per input gradient:", {k: f"{v:.2g}" for k, v in errs.items()})
+    bad = {k: v for k, v in errs.items() if not v <= GRAD_BOUND}
+    assert not bad, f"chunk_kda T=100 fp32 seed {seed}: gradients off by rel-L2 {bad} > {GRAD_BOUND}"
+
+
+def test_planted_backward_bug_in_stand_in_is_caught(monkeypatch):
+    """The gate computed as before but detached: forward bit-identical, no gradient reaches g / A_log / dt_bias."""
+    monkeypatch.setattr(fla_cpu, "kda_gate", lambda *a, **k: _KDA_GATE(*a, **k).detach())
+    errs = grad_errors(_chunk_real, _chunk_ours, 100, 0)
+    assert max(errs[k] for k in ("g", "A_log", "dt_bias")) > GRAD_BOUND, errs

@@ -134,6 +134,8 @@ def test_portlike_replays_bundled_dumps_through_taps(dump):
     rep = _run(dump)
     statuses = {}
     for p in rep["points"]:
+        if p["status"] == "skipped" and p["phase"] == "backward" and "no sub-module cotangents" in p["reason"]:
+            continue  # the port's backward (issue 26, tests/test_portlike_backward.py) taps no sub-module cotangents
         statuses.setdefault(p["status"], []).append(f"{p['phase']}{p['step']}/L{p['layer']}/{p['site']}")
     assert set(statuses) == {"pass"}, {k: v[:5] for k, v in statuses.items() if k != "pass"}
     layer_pts = [p for p in rep["points"] if p["layer"] is not None]

@@ -48,6 +48,12 @@ class Case:
         return f"{self.ckpt}-{self.precision}-{self.prompt_len}"
 
     @property
+    def grads(self) -> bool:
+        """Dumped with the backward phase (`--grads`, issue 26: fla's backward kernels on the GPU): the > 64-token
+        prompts (chunk_kda's backward), every precision (so cases sharing a CPU reference dump agree)."""
+        return self.prompt_len > 64
+
+    @property
     def cpu_name(self) -> str:
         """The CPU reference dump's name: fp32 IEEE and fp32 TF32 share it (TF32 does not exist on CPU)."""
         return f"{self.ckpt}-{DTYPE[self.precision]}-{self.prompt_len}"
@@ -112,6 +118,10 @@ def dump_argv(opts: Options, ckpt: Path, out: Path, dtype: str, prompt_len: int,
             "--no-progress", "--force", *extra)
 
 
+def _grads(case: Case) -> tuple[str, ...]:
+    return ("--grads",) if case.grads else ()
+
+
 def device_dump_stage(opts: Options, case: Case) -> Stage:
     ckpt = opts.out / "ckpt" / case.ckpt
     if opts.cpu_only:  # the same pipeline without a GPU: the stand-ins on CPU
@@ -120,7 +130,7 @@ def device_dump_stage(opts: Options, case: Case) -> Stage:
         extra = ("--device", "cuda", "--no-cpu-kernels") + (("--allow-tf32",) if case.precision == "fp32-tf32" else ())
         env = {"TRITON_INTERPRET": None}  # real kernels compiled for the GPU, never the interpreter
     argv = dump_argv(opts, ckpt, dump_path(opts, case.name, "device"), DTYPE[case.precision], case.prompt_len,
-                     extra=extra)
+                     extra=extra + _grads(case))
     return Stage(f"dump:{case.name}:device", needs=(f"ckpt:{case.ckpt}",), argv=argv, env=env)
 
 
@@ -131,7 +141,7 @@ def cpu_dump_stage(opts: Options, case: Case) -> Stage:
     else:
         extra, env = ("--device", "cpu", "--cpu-kernels"), {"TRITON_INTERPRET": None}
     argv = dump_argv(opts, ckpt, dump_path(opts, case.cpu_name, "cpu"), DTYPE[case.precision], case.prompt_len,
-                     extra=extra)
+                     extra=extra + _grads(case))
     # CUDA hidden: the CPU reference must not pick up the GPU through any default
     return Stage(f"dump:{case.cpu_name}:cpu", needs=(f"ckpt:{case.ckpt}",), argv=argv,
                  env={**env, "CUDA_VISIBLE_DEVICES": ""})
@@ -225,6 +235,7 @@ def compare_dumps(ref_path: Path, test_path: Path, mode: str = "layer") -> dict:
     from parity.numerics.compare import compare
     from parity.numerics.tolerances import default_rules
     from parity.provenance import kernels_line
+    from parity.replay.judge import compare_gradient, rule_site
 
     rules = default_rules()
     points, missing = [], []
@@ -235,7 +246,8 @@ def compare_dumps(ref_path: Path, test_path: Path, mode: str = "layer") -> dict:
                 missing.append(p.key())
                 continue
             dtype = ref.dtype(p)
-            v = compare(ref.read(p), test.read(p), rules.rule_for(p.site, mode, dtype, compute), name=p.key())
+            rule = rules.rule_for(rule_site(p), mode, dtype, compute)  # gradients: their own rules and RMS floor
+            v = (compare_gradient if p.phase == "backward" else compare)(ref.read(p), test.read(p), rule, name=p.key())
             points.append({"point": p.key(), "dtype": dtype, "max_ulp": v.max_ulp, "rel_l2": v.rel_l2,
                            "within_tolerance": bool(v.passed)})
         kernels = {"cpu": kernels_line(ref.kernels), "device": kernels_line(test.kernels)}  # which ran, each side

@@ -57,6 +57,9 @@ class Mutation:
     # code the isolated site function does not share with the layer (e.g. beta's sigmoid, written inline in both)
     isolated: Callable[[], dict] = field(default=lambda: {})
     cls: str = "porting"  # "porting" | "precision" (precision placement) | "sub-tolerance" (numerics below the tier)
+    # backward-only bugs outside the layer function: a replacement of the embedding's VJP,
+    # fn(emb [V,D], ids [B,T], d_embed [B,T,D], pad_id) -> grad [V,D] (`MutantTarget.embed_backward` calls it)
+    embed_backward: Callable | None = None
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -741,6 +744,79 @@ def _p_bw_shared_grad_twice():
     return {(layer, "moe_block"): block}
 
 
+def _p_bw_attn_residual_detached():
+    """`h = stop_gradient(x) + attention(norm(x))`: the attention residual's cotangent dropped, the layer input's
+    gradient flows only through input_layernorm. Built without touching the reference: `_decoder_layer` is called
+    with the detached input and its own body is cloned with an `rms_norm` that gives the *first* norm (the one
+    whose argument is that detached input, identified by object identity at trace time) the live input instead.
+    Forward: stop_gradient is the identity and every op sees the same values, so the same bits."""
+    import jax
+
+    _, layer, _, _ = _mods()
+    orig, norm = layer._decoder_layer, layer.rms_norm
+
+    def mutated(p, h, positions, spec, state, forced_idx):
+        hs = jax.lax.stop_gradient(h)
+
+        def rms(x, w, eps):
+            return norm(h if x is hs else x, w, eps)
+
+        return _rebind(orig, rms_norm=rms)(p, hs, positions, spec, state, forced_idx)
+
+    return {(layer, "_decoder_layer"): mutated}
+
+
+def _kda_chunk_with_wrong_vjp(kernel):
+    """The chunked KDA kernel behind a hand-written VJP with one wrong term: `jax.custom_vjp` whose forward is the
+    kernel itself (same bits) and whose backward is the kernel's true VJP (jax.vjp, recomputed from the saved
+    inputs) with the decay gate's cotangent dg negated — models a chunk backward that differentiates the
+    log-space decay with the wrong sign (e.g. a kernel storing the decay as the positive rate -g and not flipping
+    the sign back in dg); dq, dk, dv, dβ exact."""
+    import jax
+
+    def wrapped(q, k, v, g, beta, scale, s0=None, **kw):
+        if s0 is not None:  # a continuation (decode) is never differentiated here
+            return kernel(q, k, v, g, beta, scale, s0, **kw)
+
+        def f(q_, k_, v_, g_, b_):
+            return kernel(q_, k_, v_, g_, b_, scale, None, **kw)
+
+        @jax.custom_vjp
+        def chunk(q_, k_, v_, g_, b_):
+            return f(q_, k_, v_, g_, b_)
+
+        def fwd(*args):
+            return f(*args), args
+
+        def bwd(args, ct):
+            dq, dk, dv, dg, db = jax.vjp(f, *args)[1](ct)
+            return dq, dk, dv, -dg, db
+
+        chunk.defvjp(fwd, bwd)
+        return chunk(q, k, v, g, beta)
+
+    return wrapped
+
+
+def _p_bw_kda_chunk_vjp_dg_sign():
+    kda, layer, _, _ = _mods()
+    kernels = {**kda.KERNELS, "chunked": _kda_chunk_with_wrong_vjp(kda.KERNELS["chunked"])}
+    return {(layer, "kda_attention"): _rebind(kda.kda_attention, KERNELS=kernels)}
+
+
+def _embed_backward_set(emb, ids, d_embed, pad_id=None):
+    """The embedding's gradient written with a scatter-*set* (`zeros.at[ids].set(d)`) instead of a scatter-add: a
+    token id that occurs more than once keeps one occurrence's cotangent instead of their sum (the padding row
+    zero as the reference's). Not jitted: called once per replay."""
+    import jax.numpy as jnp
+
+    d = jnp.asarray(d_embed).astype(emb.dtype).reshape(-1, emb.shape[-1])
+    flat = jnp.asarray(ids).reshape(-1)
+    if pad_id is not None:
+        d = jnp.where((flat == pad_id)[:, None], jnp.zeros((), d.dtype), d)
+    return jnp.zeros_like(emb).at[flat].set(d)
+
+
 def _bw(site_fn, where):
     return lambda cfg: Expected("backward", 0, where(cfg), site_fn(cfg) if callable(site_fn) else site_fn)
 
@@ -762,6 +838,18 @@ BACKWARD_MUTATIONS: dict[str, Mutation] = {m.name: m for m in [
     Mutation("bw_shared_expert_grad_twice", "shared expert's gradient scaled twice (custom_vjp identity ×2 on its "
              "output) → backward mlp.shared_experts of the first MoE layer", "tiny",
              _bw(("mlp.shared_experts",), first_moe), _p_bw_shared_grad_twice),
+    Mutation("bw_attn_residual_detached", "attention residual's cotangent dropped (h = stop_gradient(x) + "
+             "attention(norm(x))): the layer input's gradient flows only through input_layernorm → backward input "
+             "of layer 0 (every layer's input; a one-layer replay pins the replayed one)", "tiny",
+             _bw(("input",), lambda cfg: 0), _p_bw_attn_residual_detached),
+    Mutation("bw_kda_chunk_vjp_dg_sign", "custom VJP of the chunked KDA with one wrong term: the decay gate's "
+             "cotangent negated (dq, dk, dv, dβ exact) → backward attention.gate of the first KDA layer (prompts > "
+             "64 tokens: the chunked kernel)", "tiny", _bw(("attention.gate",), first_kda),
+             _p_bw_kda_chunk_vjp_dg_sign),
+    Mutation("bw_embed_grad_not_accumulated", "embedding gradient scattered with set instead of add: repeated "
+             "token ids keep one occurrence's cotangent → backward model grad.model.word_embeddings.weight", "tiny",
+             lambda cfg: Expected("backward", 0, None, ("grad.model.word_embeddings.weight",)),
+             embed_backward=_embed_backward_set),
 ]}
 
 
@@ -783,6 +871,13 @@ class MutantTarget(ReferenceTarget):
         super().load_layer(i, hf_tensors)
         if self.mutation.load is not None:
             self.mutation.load(self, i, hf_tensors)
+
+    def embed_backward(self, input_ids: np.ndarray, d_embed: np.ndarray) -> np.ndarray:
+        if self.mutation.embed_backward is None:
+            return super().embed_backward(input_ids, d_embed)
+        pad = getattr(self.cfg, "pad_token_id", None)
+        return np.asarray(self.mutation.embed_backward(self.globals["embed"], input_ids, d_embed,
+                                                       None if pad is None else int(pad)))
 
     def _layer_fn(self):
         if self._jit is None:

@@ -13,7 +13,15 @@ shown to place a divergence at the right site:
 - `softplus_gate`: the KDA decay uses the Kimi softplus form instead of Ling3's lower-bound form (facts §3.5) —
   must first fail at `attention.gate`;
 - `unbiased_routing`: the router picks experts without `expert_bias` (facts §5.2) — must first fail at
-  `mlp.gate.topk_idx`.
+  `mlp.gate.topk_idx`;
+- `beta_detached` (a backward-only bug, issue 26): `stop_gradient` on the KDA beta projection's output — the forward
+  is the same bits, `b_proj` gets no gradient — must first fail at backward `grad.attention.b_proj.weight`.
+
+Backward (capability `backward`, issue 26): no hand-written backward. `layer_backward` hands the port's own block,
+as a pure function of its nnx parameter state, to the suite's VJP helper (`parity.targets.backward.layer_vjp`), and
+maps the parameter gradients back to HF names as the inverse of its loader (`PORT_TO_JAX`: port module path ->
+`convert_layer` key, then `weights.to_hf_layout`). It taps no sub-module cotangents (the port has no probe points):
+its backward points are dL/d layer input and the weight gradients; the others are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from parity.targets.base import LayerResult, Target, describe_jax
 from parity.targets.serving import PackedBatch, canonical_topk, to_canonical
 from parity.targets.taps import ROUTER_SCORES, Tap, TapSet, Transform
 
-VARIANTS = ("ok", "softplus_gate", "unbiased_routing")
+VARIANTS = ("ok", "softplus_gate", "unbiased_routing", "beta_detached")
 DECODE_ROOM = 128  # KV-pool room per sequence beyond the prompt (the dump's decode steps must fit)
 # This port's production XLA options: it mirrors torch's bf16 roundings like the reference does (see
 # parity.jax_ling3.REFERENCE_COMPILER_OPTIONS), and says so in describe().
@@ -184,7 +192,10 @@ def _modules():
                 convs.append(c)
             g = decay_gate(self.w_forget(x)[0].reshape(N, H, d), self.A_log[...], self.dt_bias[...], self.lb,
                            self.variant)
-            beta = jax.nn.sigmoid(self.w_beta(x)[0].astype(jnp.float32))
+            b = self.w_beta(x)[0]
+            if self.variant == "beta_detached":  # backward-only bug: identity in the forward
+                b = jax.lax.stop_gradient(b)
+            beta = jax.nn.sigmoid(b.astype(jnp.float32))
             q, k, v = qkv
             o, S = recurrence(l2_normalize(q), l2_normalize(k), v, g, beta, pool["ssm"][slots], cu, d ** -0.5)
             o = o.astype(x.dtype)
@@ -363,7 +374,8 @@ class PortlikeTarget(Target):
     reports every site through taps. `variant` (see module doc) breaks one sub-module on purpose."""
 
     name = "portlike"
-    capabilities = frozenset({"q_lora", "swiglu_clamp", "forced_routing", "kda_chunked", "kda_recurrent", "decode"})
+    capabilities = frozenset({"q_lora", "swiglu_clamp", "forced_routing", "kda_chunked", "kda_recurrent", "decode",
+                              "backward"})
     needs_checkpoint_dir = True
 
     def __init__(self, variant: str = "ok") -> None:
@@ -488,6 +500,160 @@ class PortlikeTarget(Target):
         pts = to_canonical(self.cfg, i, pts, B, T)
         return LayerResult(pb.unpack(np.asarray(out)), pts, (new_pool, prefix + T, cap), transforms=cap_.transforms,
                            missing=cap_.missing)
+
+    # ---------------------------------------------------------------- backward (issue 26): the suite's VJP helper
+    def layer_backward(self, i: int, hidden, positions, cotangent, forced_topk=None):
+        """VJP of this port's block at prefill (fresh pools), routing forced to `forced_topk`, through
+        `parity.targets.backward.layer_vjp`; weight gradients under HF names (`port_grads_to_hf`)."""
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from parity.jax_ling3.spec import dtype_of
+        from parity.targets.base import BackwardResult
+
+        hidden = np.asarray(hidden)
+        B, T, D = hidden.shape
+        cap = T + DECODE_ROOM
+        pb = PackedBatch.of(B, T, prefix=0, capacity=cap)
+        meta = {"slots": jnp.asarray(pb.slots), "positions": jnp.asarray(pb.positions),
+                "out_loc": jnp.asarray(pb.out_loc), "seq_loc": jnp.asarray(pb.seq_loc)}
+        statics = (tuple(int(c) for c in pb.cu_seqlens), 0, T)
+        forced = None if forced_topk is None else jnp.asarray(pb.pack(forced_topk), jnp.int32)
+        dt = dtype_of(self.dtype)
+        graphdef, params = nnx.split(self.blocks[i])
+        dh, dp = _bwd_jit()(graphdef, params, jnp.asarray(pb.pack(hidden), dt), jnp.asarray(pb.pack(cotangent), dt),
+                            meta, self._new_pool(i, B, cap), forced, statics)
+        grads = port_grads_to_hf(self.cfg, i, nnx.to_pure_dict(dp))
+        why = "portlike's backward is the suite's layer_vjp of its block without probes: no sub-module cotangents"
+        from parity.model.points import backward_sites
+
+        missing = {s: why for s in backward_sites(self.cfg, i) if not s.startswith("grad.") and s != "input"}
+        return BackwardResult(pb.unpack(np.asarray(dh)), grads, {}, missing)
+
+    # The model-level VJPs: this port's head and embedding are the reference's functions (`head` above calls
+    # `model.head_jit`, `embed` gathers rows), so their VJPs are the reference's `jax.vjp`s, with this port's weights.
+    def head_backward(self, hidden, d_logits) -> dict[str, np.ndarray]:
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.backward import head_backward
+        from parity.jax_ling3.spec import dtype_of
+
+        g = self.glob
+        out = head_backward(g["final_norm"], g["lm_head"], jnp.asarray(hidden, dtype_of(self.dtype)),
+                            jnp.asarray(d_logits, jnp.float32), eps=float(self.cfg.rms_norm_eps))
+        return {"final_norm": np.asarray(out["final_norm"]), "input": np.asarray(out["input"]),
+                "grad.model.norm.weight": np.asarray(out["final_norm_w"]),
+                "grad.lm_head.weight": np.ascontiguousarray(np.asarray(out["lm_head"]).T)}  # [D,V] -> HF [V,D]
+
+    def embed_backward(self, input_ids, d_embed) -> np.ndarray:
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.backward import embed_backward
+
+        pad = getattr(self.cfg, "pad_token_id", None)
+        return np.asarray(embed_backward(self.glob["embed"], jnp.asarray(input_ids, jnp.int32), jnp.asarray(d_embed),
+                                         pad_id=None if pad is None else int(pad)))
+
+    def loss_backward(self, logits, input_ids) -> tuple[float, np.ndarray]:
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.backward import loss_backward
+
+        loss, d = loss_backward(jnp.asarray(logits, jnp.float32), jnp.asarray(input_ids, jnp.int32))
+        return float(loss), np.asarray(d)
+
+
+# Inverse of the loader's second step (module construction in `_modules`): this port's parameter path ->
+# the `convert_layer` (JAX layout) key it was built from. `conv_w` stacks q, k, v ([3,P,W]).
+PORT_TO_JAX = {
+    ("ln_in", "scale"): ("input_layernorm",), ("ln_post", "scale"): ("post_attention_layernorm",),
+    # KDA
+    ("mixer", "wq", "w"): ("attention", "q_proj"), ("mixer", "wk", "w"): ("attention", "k_proj"),
+    ("mixer", "wv", "w"): ("attention", "v_proj"), ("mixer", "w_forget", "w"): ("attention", "f_proj"),
+    ("mixer", "w_beta", "w"): ("attention", "b_proj"), ("mixer", "w_outgate", "w"): ("attention", "g_proj"),
+    ("mixer", "A_log"): ("attention", "A_log"), ("mixer", "dt_bias"): ("attention", "dt_bias"),
+    ("mixer", "out_norm", "w"): ("attention", "o_norm"), ("mixer", "wo", "w"): ("attention", "o_proj"),
+    # MLA (`wo` is KDA's o_proj or MLA's dense: told apart by the layer kind)
+    ("mixer", "wq_a", "w"): ("attention", "q_a_proj"), ("mixer", "q_norm", "scale"): ("attention", "q_a_layernorm"),
+    ("mixer", "wq_b", "w"): ("attention", "q_b_proj"), ("mixer", "wkv_a", "w"): ("attention", "kv_a_proj_with_mqa"),
+    ("mixer", "kv_norm", "scale"): ("attention", "kv_a_layernorm"), ("mixer", "wkv_b", "w"): ("attention", "kv_b_proj"),
+    ("mixer", "w_gate", "w"): ("attention", "g_proj"),
+    # MLP: dense FFN, MoE
+    ("ffn", "w_gate", "w"): ("mlp", "gate_proj"), ("ffn", "w_up", "w"): ("mlp", "up_proj"),
+    ("ffn", "w_down", "w"): ("mlp", "down_proj"),
+    ("ffn", "router", "kernel"): ("mlp", "router"), ("ffn", "router", "bias"): ("mlp", "expert_bias"),
+    ("ffn", "experts", "gate"): ("mlp", "experts_gate"), ("ffn", "experts", "up"): ("mlp", "experts_up"),
+    ("ffn", "experts", "down"): ("mlp", "experts_down"),
+    ("ffn", "shared", "w_gate", "w"): ("mlp", "shared_gate_proj"), ("ffn", "shared", "w_up", "w"): ("mlp", "shared_up_proj"),
+    ("ffn", "shared", "w_down", "w"): ("mlp", "shared_down_proj"),
+}
+NOT_TRAINABLE = ("mlp.gate.expert_bias",)  # selection only (facts §5.4): a buffer, no gradient
+
+
+def _flatten(tree: dict, prefix=()):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, prefix + (k,))
+        else:
+            yield prefix + (k,), v
+
+
+def port_grads_to_hf(cfg, i: int, grads: dict) -> dict[str, np.ndarray]:
+    """This port's parameter gradients (nested by module path) -> {HF name relative to `model.layers.{i}.`: array
+    in the HF shape}: `PORT_TO_JAX`, then `weights.to_hf_layout` (the inverse of `convert_layer`). An unknown
+    parameter path is an error (a loader change this map missed)."""
+    from parity.jax_ling3.weights import to_hf_layout
+
+    p: dict = {"attention": {}, "mlp": {}}
+    for path, v in _flatten(grads):
+        if path == ("mixer", "conv_w"):
+            for j, n in enumerate("qkv"):
+                p["attention"][f"{n}_conv1d"] = np.asarray(v)[j]
+            continue
+        if path == ("mixer", "wo", "w") and cfg.layer_kind(i) == "mla":
+            p["attention"]["dense"] = np.asarray(v)
+            continue
+        if path not in PORT_TO_JAX:
+            raise KeyError(f"portlike layer {i}: parameter {'.'.join(map(str, path))} has no entry in PORT_TO_JAX")
+        key = PORT_TO_JAX[path]
+        if len(key) == 1:
+            p[key[0]] = np.asarray(v)
+        else:
+            p[key[0]][key[1]] = np.asarray(v)
+    return {k: v for k, v in to_hf_layout(cfg, i, p).items() if k not in NOT_TRAINABLE}
+
+
+def _bwd(graphdef, params, x, cot, meta, pool, forced, statics):
+    """(dL/dx, dL/dparams) of the block at x for the output cotangent `cot`, via the suite's `layer_vjp`."""
+    from flax import nnx
+
+    from parity.jax_ling3.probes import probing
+    from parity.targets.backward import layer_vjp
+
+    cu, prefix, extend = statics
+
+    def fn(p, h, probes):
+        block = nnx.merge(graphdef, p)
+        out, _ = block(h, {**meta, "cu": cu, "prefix": prefix, "extend": extend}, pool, forced)
+        return out, {}
+
+    # an empty probe dict: no probes, but the shared MoE code takes its differentiable routed-expert form
+    # (parity.jax_ling3.probes.differentiating; the blocked loop's routing-dependent trip count has no VJP)
+    with probing({}):
+        dh, dp, _, _ = layer_vjp(fn, params, x, cot)
+    return dh, dp
+
+
+_BWD_JIT = None
+
+
+def _bwd_jit():
+    global _BWD_JIT
+    if _BWD_JIT is None:
+        import jax
+
+        _BWD_JIT = jax.jit(_bwd, static_argnames=("graphdef", "statics"), compiler_options=COMPILER_OPTIONS)
+    return _BWD_JIT
 
 
 def _run(graphdef, params, x, meta, pool, forced, statics, taps):

@@ -1,7 +1,7 @@
 """Support for running fla's real KDA Triton kernels on CPU under Triton's interpreter (`TRITON_INTERPRET=1`).
 
 Stock Triton 3.9.0's interpreter cannot run fla 0.6.0's KDA kernels correctly as is (measured, issue 24). `install()`
-patches five gaps, each undone by `uninstall()`:
+patches six gaps, each undone by `uninstall()`:
 
 1. `autotune_single_config`: an autotuner with several configs benchmarks them, which needs a GPU driver ("0 active
    drivers"). Keep the first surviving config, so Triton takes its single-config path (no benchmarking). The config
@@ -16,6 +16,11 @@ patches five gaps, each undone by `uninstall()`:
    out ~1e9, bf16×bf16 NaN). Widen bf16 operands to fp32 (exact), compute, round arithmetic results back to bf16;
    comparisons keep their result; a dot accumulates in its accumulator's dtype, as a GPU's MMA does.
 5. `bf16_round_nearest_even`: the interpreter's fp32→bf16 cast truncates; GPUs round to nearest even.
+6. `dot_bf16x3`: fla's KDA *backward* (`ops/kda/chunk_intra.py`, `SAFE_GATE_DOT_PRECISION = 'bf16x3'` on triton >
+   3.6) asks for bf16x3 dots, which the interpreter's options do not list ("input_precision must be one of ('tf32',
+   'tf32x3', 'ieee')"). Allow it; the interpreter computes every fp32 dot in full fp32 whatever the precision asked,
+   so this is an IEEE dot where a GPU splits each operand into bf16 parts (≈ 2^-16 relative per product: like TF32,
+   a difference only a GPU shows).
 
 Only for the interpreter: `install()` refuses unless `TRITON_INTERPRET=1` (patch 1 would disable autotuning on a GPU).
 """
@@ -32,7 +37,7 @@ import numpy as np
 from parity.errors import ParityError
 
 PATCHES = ("autotune_single_config", "builtin_aliases", "range_loop_tensor", "bf16_arithmetic",
-           "bf16_round_nearest_even")
+           "bf16_round_nearest_even", "dot_bf16x3")
 _COMPARISONS = {np.less, np.greater, np.less_equal, np.greater_equal, np.equal, np.not_equal}
 
 _undo: list[tuple[Any, str, Any]] = []  # (object, attribute, original value), restored in reverse order
@@ -68,7 +73,7 @@ def _set(obj: Any, name: str, value: Any) -> None:
 
 
 def install() -> list[str]:
-    """Apply the five patches (idempotent) and return their names. Raises ParityError when `TRITON_INTERPRET` is not
+    """Apply the six patches (idempotent) and return their names. Raises ParityError when `TRITON_INTERPRET` is not
     1 (on a GPU the compiled kernels need none of this) or triton is not importable."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise ParityError("triton_interp.install: TRITON_INTERPRET is not 1; these patches are for Triton's "
@@ -84,6 +89,7 @@ def install() -> list[str]:
     _patch_builtin_aliases(interpreter, tl)
     _patch_range_loops(interpreter.ASTTransformer)
     _patch_bf16(interpreter.InterpreterBuilder, interpreter.TensorHandle, tl)
+    _patch_dot_precisions(interpreter.interpreter_builder)
     return installed()
 
 
@@ -207,6 +213,15 @@ def _patch_bf16(Builder: type, TensorHandle: type, tl: Any) -> None:
     _set(Builder, "create_fma", create_fma)
     _set(Builder, "create_dot", create_dot)
     _set(Builder, "cast_impl", cast_impl)
+
+
+def _patch_dot_precisions(builder: Any) -> None:
+    """Let the interpreter's one builder accept `input_precision="bf16x3"` (patch 6; its create_dot ignores it)."""
+    import dataclasses
+
+    allowed = builder.options.allowed_dot_input_precisions
+    if "bf16x3" not in allowed:
+        _set(builder, "options", dataclasses.replace(builder.options, allowed_dot_input_precisions=(*allowed, "bf16x3")))
 
 
 __all__ = ["PATCHES", "install", "uninstall", "installed", "bf16_bits_to_fp32", "fp32_to_bf16_bits"]
