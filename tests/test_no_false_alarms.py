@@ -131,7 +131,11 @@ def test_backward_sweep_detects_a_broken_subject():
     from parity.replay.coverage import has_backward
     from parity.targets.mutants import MutantTarget
 
-    dump = next((d for d in BUNDLED if has_backward(DumpReader(d))), None) or pytest.skip("no bundled --grads dump")
+    def grads_dump(path: str) -> bool:
+        with DumpReader(path) as r:
+            return has_backward(r)
+
+    dump = next((d for d in BUNDLED if grads_dump(d)), None) or pytest.skip("no bundled --grads dump")
     with DumpReader(dump) as r:
         moe = next(i for i in range(r.config.num_hidden_layers) if r.config.is_moe(i))
     report = run_replay(dump, target=MutantTarget("bw_shared_expert_grad_twice"), layers=[moe], mode="layer")
