@@ -3,7 +3,7 @@ teacher-forced, routing forced) vs the twin's torch autograd backward of the sam
 cotangent (forward + backward, as `loss.backward()` runs it; the JAX VJP also runs the forward). Not a test:
 `python tests/measure_backward_cost.py CKPT [--T 512] [--dtype bfloat16] [--reps 3]` (CKPT e.g. a 4-layer Ling3-Tiny
 from `tools/make_ckpt.py --preset ling3-tiny --layers 4`). Prints one line per layer: kind, JAX first call (compile +
-run), JAX warm (median of reps), twin (median of reps), ratio."""
+run), JAX warm (median of reps), twin (median of reps), ratio. `--layers 3` measures only layer 3."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def main() -> None:
     ap.add_argument("--T", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--layers", type=int, nargs="*", default=None, help="layer indices (default: all)")
     a = ap.parse_args()
     from parity.jax_ling3.weights import CheckpointReader
     from parity.targets.reference import ReferenceTarget
@@ -37,8 +38,10 @@ def main() -> None:
     pos_ids = torch.arange(a.T).unsqueeze(0)
     for i in range(cfg.num_hidden_layers):
         lay = model.model.layers[i]
-        h = (torch.randn(1, a.T, D, generator=g) * 0.5).to(tdt)
-        cot = (torch.randn(1, a.T, D, generator=g) * 1e-3).to(tdt)
+        h = (torch.randn(1, a.T, D, generator=g) * 0.5).to(tdt)  # drawn for every layer: the same inputs per layer
+        cot = (torch.randn(1, a.T, D, generator=g) * 1e-3).to(tdt)  # whichever --layers are measured
+        if a.layers is not None and i not in a.layers:
+            continue
         pos_emb = model.model.rotary_emb(h, pos_ids)
         topk = {}
         hk = None

@@ -165,8 +165,8 @@ def kda_chunked(q, k, v, g, beta, scale: float, initial_state=None, chunk: int =
         eG = jnp.exp(G)
         rhs_w = bi[..., None] * (ki * eG)  # diag(β)(k ⊙ e^G)
         rhs_u = bi[..., None] * vi
-        Wm = solve_triangular(M, rhs_w, lower=True, unit_diagonal=True)
-        Um = solve_triangular(M, rhs_u, lower=True, unit_diagonal=True)
+        Wm = solve_unit_lower(M, rhs_w)
+        Um = solve_unit_lower(M, rhs_u)
         u = Um - jnp.einsum("bhck,bhkv->bhcv", Wm, S, precision=HI)
         aqk = jnp.where(incl, jnp.einsum("bhtk,bhsk,bhtsk->bhts", qi, ki, decay, precision=HI), 0.0)
         o = jnp.einsum("bhtk,bhkv->bhtv", qi * eG, S, precision=HI) + jnp.einsum("bhts,bhsv->bhtv", aqk, u,
@@ -180,6 +180,28 @@ def kda_chunked(q, k, v, g, beta, scale: float, initial_state=None, chunk: int =
     o = jnp.moveaxis(o, 0, 1)  # [B,n,H,C,V]
     o = jnp.swapaxes(o, 2, 3).reshape(B, n * C, H, V)[:, :T]
     return o, S
+
+
+def solve_unit_lower(M: jnp.ndarray, R: jnp.ndarray) -> jnp.ndarray:
+    """M⁻¹ R for unit lower triangular M [..., C, C] and R [..., C, N] (`solve_triangular`), on CPU as one LAPACK
+    trsm call per matrix.
+
+    Why: jaxlib 0.10's CPU trsm kernel splits a batch of matrices over XLA's intra-op thread pool and blocks until
+    the pieces are done (`jax::ParallelBatchMap`, taken when batch·C²·N ≥ 200 000 — every KDA chunk solve at
+    Ling3-Tiny shapes). When the thunk executor runs as many such solves at once as the pool has threads (the two
+    independent solves of a chunk, and more in a VJP), every worker waits for pieces queued behind the waiters: a
+    deadlock with zero CPU (the chunked KDA layer backward at Ling3-Tiny shapes, T ≥ 128, on 2 cores; gdb: both
+    `tf_XLAEigen` workers in `BlockingCounter::Wait` under `lapack_strsm_ffi`). A one-matrix call runs inline, never
+    waits, so the solve and its VJP (one transposed solve per matrix) cannot deadlock. Same bits: the batched kernel
+    calls the same strsm on each matrix in turn (tests/test_jax_kda_memory.py compares). Other backends: one batched
+    call."""
+    if jax.default_backend() != "cpu" or M.ndim == 2:
+        return solve_triangular(M, R, lower=True, unit_diagonal=True)
+    batch = M.shape[:-2]
+    Mf = M.reshape(-1, *M.shape[-2:])
+    Rf = R.reshape(-1, *R.shape[-2:])
+    X = jax.lax.map(lambda mr: solve_triangular(mr[0], mr[1], lower=True, unit_diagonal=True), (Mf, Rf))
+    return X.reshape(*batch, *R.shape[-2:])
 
 
 def _bf16(x: jnp.ndarray) -> jnp.ndarray:
@@ -199,7 +221,7 @@ def _chunk_step_rounded(scale: float, incl, strict):
         decay = jnp.exp(jnp.where(incl[:, :, None], diff, -jnp.inf))
         A = jnp.where(strict, bi[..., :, None] * jnp.einsum("bhtk,bhsk,bhtsk->bhts", ki, ki, decay, precision=HI), 0.0)
         eye = jnp.broadcast_to(jnp.eye(C, dtype=F32), A.shape)
-        Akk = _bf16(solve_triangular(A + jnp.eye(C, dtype=F32), eye, lower=True, unit_diagonal=True))  # 3
+        Akk = _bf16(solve_unit_lower(A + jnp.eye(C, dtype=F32), eye))  # 3
         Aqk = _bf16(scale * jnp.where(incl, jnp.einsum("bhtk,bhsk,bhtsk->bhts", qi, ki, decay, precision=HI), 0.0))
         eG = jnp.exp(G)
         u = _bf16(jnp.einsum("bhts,bhsv->bhtv", Akk, _bf16(bi[..., None] * vi), precision=HI))  # 4
