@@ -1,7 +1,7 @@
 """Cost of the backward replay per layer kind (issue 26): the reference's `layer_backward` (jax.vjp of the layer,
 teacher-forced, routing forced) vs the twin's torch autograd backward of the same layer on the same input and
 cotangent (forward + backward, as `loss.backward()` runs it; the JAX VJP also runs the forward). Not a test:
-`python tests/measure_backward_cost.py CKPT [--T 512] [--dtype bfloat16] [--reps 3]` (CKPT e.g. a 4-layer Ling3-Tiny
+`python tools/backward_cost.py CKPT [--T 512] [--dtype bfloat16] [--reps 3]` (CKPT e.g. a 4-layer Ling3-Tiny
 from `tools/make_ckpt.py --preset ling3-tiny --layers 4`). Prints one line per layer: kind, JAX first call (compile +
 run), JAX warm (median of reps), twin (median of reps), ratio. `--layers 3` measures only layer 3."""
 
