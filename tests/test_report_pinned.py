@@ -76,9 +76,9 @@ def test_report_identical_to_before_the_refactor(reports):
     # added keys since the pin: `target_info` (issue 16), `semantics` (issue 13; this dump records none: intended),
     # what tools/repro.py needs (issue 25: checkpoint, dump_file, tolerances, report_dir, target_class), the named
     # variants and what pairs an fp32 and a bf16 report for triage (issue 25: variants, checkpoint_fingerprint,
-    # dump_dtype)
+    # dump_dtype), point counts per phase (issue 26: counts_by_phase, forward and backward)
     added = {"target_info", "semantics", "checkpoint", "dump_file", "tolerances", "report_dir", "target_class",
-             "variants", "checkpoint_fingerprint", "dump_dtype"}
+             "variants", "checkpoint_fingerprint", "dump_dtype", "counts_by_phase"}
     assert set(got) - set(want) <= added and set(want) <= set(got)
     assert got["semantics"]["departures"] == [] and got["semantics"]["explained_points"] == 0
     for k in want:
