@@ -28,3 +28,28 @@ class ToleranceError(ParityError):
 
 class TargetError(ParityError):
     """A JAX target that is unavailable or does not follow the target protocol."""
+
+
+class TargetCallError(TargetError):
+    """A target method raised while replaying one layer (or the model-level points): one usage error per replay unit
+    naming the layer, the call and the exception's last frame, instead of one identical failure per point."""
+
+    def __init__(self, what: str, exc: BaseException) -> None:
+        import traceback
+
+        where, _, call = what.rpartition(": ")
+        frames = traceback.extract_tb(exc.__traceback__)
+        last = frames[-1] if frames else None
+        self.where, self.call = where or what, call or what
+        self.exception = f"{type(exc).__name__}: {_first_line(exc)}"
+        self.frame = "(no frame)" if last is None else f"{last.filename}:{last.lineno} in {last.name}"
+        super().__init__(f"{self.where}: target call {self.call} raised {self.exception} (last frame: {self.frame})")
+
+    def to_dict(self) -> dict:
+        return {"where": self.where, "call": self.call, "exception": self.exception, "frame": self.frame,
+                "message": str(self)}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "(no message)"

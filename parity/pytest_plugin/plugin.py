@@ -130,6 +130,8 @@ class ParitySession:
         self.errors: dict[str, tuple[str, bool]] = {}  # label -> (message, is a usage error)
         self._watchdog = None
         self.stalls: dict[tuple, str] = {}
+        self.call_errors: dict[tuple, object] = {}  # replay unit -> the TargetCallError its replay raised
+        self.call_errors_told: set[tuple] = set()  # units whose usage error a test has already reported
 
     def reader(self, entry: DumpEntry):
         from parity.dumpfile import DumpReader
@@ -202,23 +204,37 @@ class ParitySession:
         None); free mode replays the whole model once."""
         from parity.replay import judge, observe, observe_free
 
+        from parity.errors import TargetCallError
         from parity.replay.watchdog import StallError
 
         whole = entry.mode == "free" and not isinstance(layer, str)  # free mode: one run of the main stack; MTP apart
         key = (entry.run, "free" if whole else layer)
         if key in self.stalls:
             raise StallError(self.stalls[key])
+        if key in self.call_errors:
+            raise self.call_errors[key]
         if key not in self.replays:
             s = self.session(entry)
             self.release_others(entry.run)
             obs = observe_free(s) if whole else observe(s, layer)
             try:
                 recs = [r.to_json() for r in judge(s, obs)]
+                _mark_provenance(s.target, recs)
             except StallError as e:  # every test of this layer fails with the same line
                 self.stalls[key] = str(e)
                 raise
+            except TargetCallError as e:  # one usage error for the unit, its other points not tested (run_point)
+                self.call_errors[key] = e
+                raise
             self.replays[key] = {(r["phase"], r["step"], r["layer"], r["site"]): r for r in recs}
         return self.replays[key]
+
+
+def _mark_provenance(target, recs: list[dict]) -> None:
+    """Per-point provenance (port / reference) of a composed target (issue 32, parity.targets.partial)."""
+    from parity.targets.base import mark_provenance
+
+    mark_provenance(target, recs)
 
 
 def _session(config) -> ParitySession:
@@ -441,8 +457,12 @@ def run_point(request: pytest.FixtureRequest, entry: DumpEntry, group: PointGrou
 
     sess = _session(request.config)
     props = request.node.user_properties
+    from parity.errors import TargetCallError
+
     try:
         recs = sess.records(entry, layer)
+    except TargetCallError as e:
+        _target_call_failed(sess, entry, group, layer, e, props)
     except ParityError as e:  # the session could not be opened, or a target call stalled: a failure on record
         for phase, step, lay, site in group.points:
             rec = {"phase": phase, "step": step, "layer": lay, "site": site, "status": "fail", "reason": str(e),
@@ -470,6 +490,23 @@ def run_point(request: pytest.FixtureRequest, entry: DumpEntry, group: PointGrou
         pytest.fail("\n\n".join(failures), pytrace=False)
     if skips and len(skips) == len(group.points):  # every step skipped (some skipped ones beside passes: report.json)
         pytest.skip("; ".join(dict.fromkeys(skips)))
+
+
+def _target_call_failed(sess: ParitySession, entry: DumpEntry, group: PointGroup, layer, err, props: list) -> None:
+    """A target call raised while replaying this test's unit: the first test of the unit fails with ONE usage-error
+    line (the layer, the call, the exception's last frame); every point of the unit is recorded as not tested with
+    that reason (report.json `target_errors` lists the error once), and the unit's other tests are skipped."""
+    key = (entry.run, layer)
+    told = key in sess.call_errors_told
+    sess.call_errors_told.add(key)
+    why = f"not tested: {err}"
+    for phase, step, lay, site in group.points:
+        rec = {"phase": phase, "step": step, "layer": lay, "site": site, "status": "not-tested", "reason": why,
+               "target_error": err.to_dict(), "dump": entry.run}
+        props.append((RECORD_KEY, json.dumps(rec, default=_jsonable)))
+    if told:
+        pytest.skip(f"{err.where}: not tested (the target call {err.call} raised; reported once for this unit)")
+    pytest.fail(f"usage error: {err} — the unit's other points are not tested", pytrace=False)
 
 
 def _jsonable(x):
@@ -552,6 +589,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
                                              config.getoption("--parity-tolerances"), config.getoption("--parity-tol"),
                                              out_root / label),
                                "dump_provenance": reader.kernels})  # None: not recorded (older dump)
+        rep.update(_target_environment(config))
         if not dump_compared:
             rep["passed"] = False
             rep["note"] = "no point of this dump was compared"
@@ -571,6 +609,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
     _triage(built)
     config._parity_built = built
     config._parity_report_skipped = skipped
+
+
+def _target_environment(config) -> dict:
+    """report.json `target_environment`: the values of the environment variables the target class declares
+    (`Target.environment`), for the reproduce line and repro bundles; {} when it declares none."""
+    from parity.errors import ParityError
+    from parity.targets import resolve
+    from parity.targets.base import target_environment
+
+    try:
+        env = target_environment(resolve(config.getoption("--parity-target")))
+    except ParityError:  # the tests already failed on a target that cannot be resolved
+        return {}
+    return {"target_environment": env} if env else {}
 
 
 def _triage(built: list) -> None:
@@ -600,6 +652,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(line)
     for rep, path in built or ():
         terminalreporter.write_line(summary_text(rep))
+        from parity.reporting.report import port_lines
+
+        for line in port_lines(rep):
+            terminalreporter.write_line(line)
         from parity.model.semantics import report_lines
 
         for line in report_lines(rep.get("semantics")):

@@ -65,6 +65,9 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
                           layers=None if layers is None else list(layers), watchdog=wd, semantics=semantics,
                           strict_variants=strict_variants) as s:
             records = [r.to_json() for r in replay_records(s, layers, progress)]
+            from parity.targets.base import mark_provenance
+
+            mark_provenance(s.target, records)  # a composed target: which points the port computed (issue 32)
             from parity.reporting.repro import run_context
 
             # `target` is the display name here (a Target instance has no command-line spelling): `target_class` is
@@ -78,6 +81,10 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
                                                  "target_class": f"{type(s.target).__module__}:"
                                                                  f"{type(s.target).__qualname__}"})
             rep["target_info"] = target_info(s.target)  # protocol v2: what actually ran
+            from parity.targets.base import target_environment
+
+            if env := target_environment(s.target):  # what the reproduce line and repro bundles set (issue 32)
+                rep["target_environment"] = env
     finally:
         wd.close()  # its thread ends; closing the session released the target's weights (steady memory, issue 25)
     return rep

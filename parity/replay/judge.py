@@ -66,6 +66,8 @@ def _judge(session, obs: Observation) -> PointRecord:
     stats = v.to_dict()
     if obs.transform is not None:
         stats["transform"] = obs.transform.note
+    if (note := dtype_note(ref, test, rule)) is not None:
+        stats["dtype_note"] = note
     passed, message = v.passed, None if v.passed else v.message()
     rounding = _rounding_check(obs, ref, test, rule)
     if rounding is not None:
@@ -99,6 +101,24 @@ def _judge(session, obs: Observation) -> PointRecord:
                "(counted as passing; --parity-strict-variants fails it)")
         return PointRecord(point, Status.VARIANT, stats=stats, reason=why, message=f"{point.key()}: {why}")
     return PointRecord(point, Status.PASS if passed else Status.FAIL, stats=stats, message=message)
+
+
+def dtype_note(ref: np.ndarray, test: np.ndarray, rule) -> str | None:
+    """A note where the target returned a float tensor in another dtype than the dump's: which dtypes, and the rounding
+    the comparison applied (both sides are rounded RNE to the comparison grid, `compare.comparison_grid`); None where
+    the dtypes agree or a side is not a float tensor."""
+    from parity.numerics.compare import comparison_grid
+    from parity.numerics.ulp import DTYPE_NAMES
+
+    rd, td = ref.dtype.name, test.dtype.name
+    if rd == td or rd not in DTYPE_NAMES or not (test.dtype.kind == "f" or td == "bfloat16"):
+        return None
+    grid = comparison_grid(ref.dtype, rule)
+    if grid == td:
+        how = f"the dump's {rd} values are exact on it, the target's are not rounded"
+    else:
+        how = f"the target's {td} values rounded (round-to-nearest-even) to {grid} before comparing"
+    return f"target returned {td} where the dump holds {rd}: compared on the {grid} grid, {how}"
 
 
 def _rounding_check(obs: Observation, ref: np.ndarray, test: np.ndarray, rule) -> dict | None:

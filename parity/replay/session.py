@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.errors import DumpError, ParityError, TargetError
+from parity.errors import DumpError, ParityError, TargetCallError, TargetError
 from parity.model.points import Point
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,8 +160,14 @@ class Session:
 
     def call(self, what: str, fn, *args, **kwargs):
         """A target call under the session's watchdog: a stall is a StallError naming the dump, what was called
-        (layer, phase, step, method) and the file with every thread's stacks."""
-        return self.watchdog.call(f"{self.dump.path.name} {what}", fn, *args, **kwargs)
+        (layer, phase, step, method) and the file with every thread's stacks; an exception the target raises is a
+        TargetCallError naming what was called and the exception's last frame (`what` is "<where>: <method>")."""
+        try:
+            return self.watchdog.call(f"{self.dump.path.name} {what}", fn, *args, **kwargs)
+        except ParityError:
+            raise
+        except Exception as e:  # the adapter's own failure: one line naming the call and where it raised
+            raise TargetCallError(what, e) from e
 
     @classmethod
     def open(cls, dump, ckpt_dir: str | Path | None = None, *, target=None, mode: str = "layer", rules=None,

@@ -99,7 +99,7 @@ def build_report(cfg, records: list[dict], *, dump: str, target: str, mode: str,
     counts: dict[str, int] = {}
     for r in ordered:
         counts[r.get("status", "?")] = counts.get(r.get("status", "?"), 0) + 1
-    return {
+    rep = {
         "schema": SCHEMA,
         "version": VERSION,
         "dump": dump,
@@ -113,6 +113,10 @@ def build_report(cfg, records: list[dict], *, dump: str, target: str, mode: str,
         "points": ordered,
         **(extra or {}),
     }
+    rep.update(port_sections(ordered))
+    if rep.get("target_errors"):  # a unit whose target call raised was not tested: no pass
+        rep["passed"] = False
+    return rep
 
 
 def _phase_counts(records: list[dict]) -> dict[str, dict[str, int]]:
@@ -337,6 +341,7 @@ def markdown(report: dict) -> str:
                 + ", ".join(v["sites"][:20]) + (" ..." if len(v["sites"]) > 20 else "") + " |"
                 for v in report["variants"]]
         out.append("")
+    out += port_markdown(report)
     fd = report.get("first_divergence")
     if fd:
         out += ["## First divergence", "", f"- point: `{_loc(fd)}` — max {fd.get('max_ulp')} ULP, "
@@ -405,7 +410,8 @@ def html_page(report: dict) -> str:
                  f"everything after it inherits it.</div>")
         if fd.get("message"):
             head += f"<pre>{esc(fd['message'])}</pre>"
-    extra = (triage_lines(report["triage"]) if report.get("triage") else []) + variant_lines(report)
+    extra = ((triage_lines(report["triage"]) if report.get("triage") else []) + variant_lines(report)
+             + port_lines(report))
     if extra:
         head += "<pre>" + esc("\n".join(x.strip() for x in extra)) + "</pre>"
     rows_html = []
@@ -420,7 +426,8 @@ def html_page(report: dict) -> str:
     pts_html = []
     for r in report["points"]:
         if r.get("status") in ("fail", "benign", "missing"):
-            pts_html.append(f"<tr class='{'bad' if r['status'] == 'fail' else ''}'><td>{esc(_loc(r))}</td>"
+            pv = f" ({r['provenance']})" if r.get("provenance") else ""  # a composed target: port / reference
+            pts_html.append(f"<tr class='{'bad' if r['status'] == 'fail' else ''}'><td>{esc(_loc(r))}{pv}</td>"
                             f"<td>{r['status']}</td><td>{r.get('max_ulp', '-')}</td><td>{_fmt(r.get('rel_l2'))}</td>"
                             f"<td>{esc(str(r.get('worst_index', '')))}</td><td>{_fmt(r.get('worst_ref'), '.6g')}</td>"
                             f"<td>{_fmt(r.get('worst_test'), '.6g')}</td></tr>")
@@ -494,3 +501,93 @@ def load_report(path: str | Path) -> dict:
 
 def records_iter(report: dict) -> Iterable[dict]:
     return iter(report["points"])
+
+
+# ------------------------------------------------------------------------------------------ port-facing notes (issue 32)
+# Sections a port engineer acts on, added to report.json only when they have something to say (so reports of a clean
+# run keep their keys): `target_errors` (a target call that raised: the unit's points are not tested), `dtype_notes`
+# (a target output in another dtype than the dump's, and the rounding the comparison applied).
+def target_errors(records: list[dict]) -> list[dict]:
+    """One entry per target call that raised ({where, call, exception, frame, message, points}: how many points of
+    its unit were not tested), from the records' `target_error` (plugin) in execution order."""
+    out: dict[str, dict] = {}
+    for r in records:
+        e = r.get("target_error")
+        if e:
+            entry = out.setdefault(e.get("message", ""), dict(e, points=0))
+            entry["points"] += 1
+    return list(out.values())
+
+
+def dtype_notes(records: list[dict]) -> list[dict]:
+    """One entry per (layer, note) of points whose target output had another dtype than the dump's: the note (which
+    dtypes, the rounding applied), how many points and which sites."""
+    out: dict[tuple, dict] = {}
+    for r in records:
+        n = r.get("dtype_note")
+        if n:
+            e = out.setdefault((r.get("layer"), n), {"layer": r.get("layer"), "note": n, "points": 0, "sites": []})
+            e["points"] += 1
+            if r["site"] not in e["sites"]:
+                e["sites"].append(r["site"])
+    return list(out.values())
+
+
+def port_sections(records: list[dict]) -> dict:
+    """The port-facing report.json keys that have content (see above)."""
+    out = {"target_errors": target_errors(records), "dtype_notes": dtype_notes(records),
+           "provenance": provenance_summary(records)}
+    return {k: v for k, v in out.items() if v}
+
+
+def port_lines(report: dict) -> list[str]:
+    """Terminal lines of the port-facing sections (target call errors, dtype notes)."""
+    out = [f"  TARGET ERROR: {e['message']} — {e['points']} point(s) of it not tested"
+           for e in report.get("target_errors") or ()]
+    out += provenance_lines(report)
+    for n in report.get("dtype_notes") or ():
+        lay = "model" if n["layer"] is None else f"layer {n['layer']}"
+        sites = ", ".join(n["sites"][:6]) + (f", ... ({len(n['sites'])} sites)" if len(n["sites"]) > 6 else "")
+        out.append(f"  dtype note, {lay}: {n['note']} ({n['points']} point(s): {sites})")
+    return out
+
+
+def port_markdown(report: dict) -> list[str]:
+    """report.md lines of the port-facing sections (none when they are empty)."""
+    lines = port_lines(report)
+    return ["## Port notes", ""] + [f"- {line.strip()}" for line in lines] + [""] if lines else []
+
+
+def provenance_summary(records: list[dict]) -> dict:
+    """A composed target's provenance (`provenance` of its records, parity.targets.partial): {"counts": {"port": n,
+    "reference": m}, "port_sites": {"L00": [sites the port computed]}}; {} for a target that is all its own."""
+    counts: dict[str, int] = {}
+    port: dict[str, list[str]] = {}
+    for r in records:
+        pv = r.get("provenance")
+        if not pv:
+            continue
+        counts[pv] = counts.get(pv, 0) + 1
+        if pv == "port":
+            sites = port.setdefault(_loc_site(r.get("layer"), "").rstrip("/") or "model", [])
+            if r["site"] not in sites:
+                sites.append(r["site"])
+    return {"counts": counts, "port_sites": port} if counts else {}
+
+
+def provenance_lines(report: dict) -> list[str]:
+    """Terminal lines: which sites the port computed (layers sharing a site list on one line), and that the
+    reference computed the rest."""
+    pv = report.get("provenance")
+    if not pv:
+        return []
+    c = pv.get("counts", {})
+    out = [f"  provenance: {c.get('port', 0)} point(s) computed by the port, {c.get('reference', 0)} by the "
+           "reference (report.json points[].provenance)"]
+    groups: dict[tuple, list[str]] = {}
+    for lay, sites in (pv.get("port_sites") or {}).items():
+        groups.setdefault(tuple(sites), []).append(lay)
+    for sites, lays in groups.items():
+        shown = ", ".join(sites[:8]) + (f", ... ({len(sites)} sites)" if len(sites) > 8 else "")
+        out.append(f"    port: {', '.join(lays)}: {shown}")
+    return out

@@ -206,7 +206,8 @@ def pytest_command(report: dict, point: Point | None = None) -> str:
         fd = report["first_divergence"]
         point = Point(fd["phase"], fd.get("step", 0), fd.get("layer"), fd["site"])
     q = shlex.quote
-    parts = ["pytest parity", f"--parity-dump {q(str(report['dump']))}", f"--parity-target {q(str(report['target']))}"]
+    env = [f"{k}={q(v)}" for k, v in (report.get("target_environment") or {}).items() if v is not None]
+    parts = env + ["pytest parity", f"--parity-dump {q(str(report['dump']))}", f"--parity-target {q(str(report['target']))}"]
     if report.get("checkpoint"):
         parts.append(f"--parity-ckpt {q(str(report['checkpoint']))}")
     if report.get("mode", "layer") != "layer":
@@ -282,9 +283,19 @@ def make_bundle(report: dict, out_dir: str | Path, *, point: str | None = None, 
             "report": report_path, "dump": str(dump_path), "checkpoint": str(ckpt_dir),
             "report_mode": report.get("mode"), "report_target": report.get("target"),
             "pytest_command": pytest_command(report, pt),
+            "environment": bundle_environment(report, cls),
         }
         weights = ck.hf_tensors(pt.layer)
     return write_bundle(Path(out_dir), meta, arrays, weights)
+
+
+def bundle_environment(report: dict, cls) -> dict[str, str]:
+    """The environment a bundle's script sets before building the target: the values the report recorded
+    (`target_environment`), else the ones the target class declares as set here; unset variables are left out."""
+    from parity.targets.base import target_environment
+
+    env = report.get("target_environment") or target_environment(cls)
+    return {k: v for k, v in env.items() if v is not None}
 
 
 def write_bundle(out: Path, meta: dict, arrays: dict[str, np.ndarray], weights: dict[str, np.ndarray]) -> Path:
@@ -316,12 +327,20 @@ def readme_text(meta: dict) -> str:
         f"Report:            {meta.get('report')} (mode {meta.get('report_mode')}, target {meta.get('report_target')})",
         f"Dump / checkpoint: {meta['dump']} / {meta['checkpoint']}",
         f"Tolerance rule:    {meta['rule']}",
+        f"Environment:       {_env_text(meta.get('environment'))}",
         "",
         "Inside:",
         "  inputs.npz          dumped inputs of the point and its dumped reference output `ref`; bf16 arrays stored as",
         "                      uint16 bits (bundle.json `arrays`: dtype and stored_as per array)",
         f"  weights.safetensors every model.layers.{meta['layer']}.* tensor under its HF name, checkpoint dtype",
-        "  bundle.json         point, mode, target, semantic options, compute dtype, config, tolerance rule",
+        "  bundle.json         point, mode, target, semantic options, compute dtype, config, tolerance rule,",
+        "                      environment (set by repro.py before it builds the target)",
         "  repro.py            builds the target, runs the one sub-module / layer, compares (parity.numerics.compare)",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _env_text(env: dict | None) -> str:
+    if not env:
+        return "none declared by the target"
+    return " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " (repro.py sets these itself)"

@@ -20,6 +20,18 @@ import ml_dtypes
 import numpy as np
 
 
+def use_environment(meta: dict) -> None:
+    """Set the environment variables the target declared (bundle.json `environment`, the values of the failing run)
+    before anything imports the target or jax, so the bundle reproduces in a fresh shell; a different value already
+    set here is overridden, saying so."""
+    import os
+
+    for k, v in (meta.get("environment") or {}).items():
+        if os.environ.get(k) not in (None, v):
+            print(f"note: {k} was {os.environ[k]!r} here; set to the bundle's {v!r}")
+        os.environ[k] = v
+
+
 def load_arrays(bundle: Path, notes: dict) -> dict[str, np.ndarray]:
     """inputs.npz with bf16 arrays restored from their uint16 bits (bundle.json `arrays`)."""
     with np.load(bundle / "inputs.npz") as z:
@@ -79,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     bundle = Path(a.bundle)
     meta = json.loads((bundle / "bundle.json").read_text())
+    use_environment(meta)
     spec = a.target or meta["target"]
     arrays = load_arrays(bundle, meta["arrays"])
     ref = arrays["ref"]

@@ -62,6 +62,10 @@ class Target(abc.ABC):
     # protocol v2: a port whose loader reads a checkpoint directory sets this; the replay then calls
     # `use_checkpoint_dir` after `build` (and still passes HF tensors to `load_layer`, which it may ignore).
     needs_checkpoint_dir: bool = False
+    # the environment variables the target's results depend on (e.g. an adapter reading `MYPORT_ATTN_IMPL`, or
+    # XLA_FLAGS it needs): report.json `target_environment` records their values, the `reproduce:` line sets them, a
+    # repro bundle carries them and its script sets them before building the target (issue 32)
+    environment: tuple[str, ...] = ()
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -182,7 +186,15 @@ class Target(abc.ABC):
     def describe(self) -> dict:
         """What actually ran, for the report header: backends, kernels, interpret modes, XLA flags, versions. The
         default says what every JAX target shares; adapters add their own keys (`parity.targets.describe_jax`)."""
-        return describe_jax(self.name)
+        return describe_jax(self.name, **({"environment": target_environment(self)} if self.environment else {}))
+
+
+def target_environment(target) -> dict[str, str | None]:
+    """{name: value in this process's environment, None when unset} of the variables a target (instance or class)
+    declares in `environment`."""
+    import os
+
+    return {n: os.environ.get(n) for n in getattr(target, "environment", ()) or ()}
 
 
 def describe_jax(name: str, **extra) -> dict:
@@ -199,3 +211,15 @@ def describe_jax(name: str, **extra) -> dict:
         out["jax"] = f"unavailable ({e})"
     out.update(extra)
     return out
+
+
+def mark_provenance(target, records: list[dict]) -> None:
+    """Set each report record's `provenance` ("port" / "reference") where the target says which side computed its
+    point (`provenance(layer, site)`, a composed target such as `parity.targets.partial.PartialTarget`); a target
+    without it leaves the records alone (all of it is the target's own)."""
+    fn = getattr(target, "provenance", None)
+    if fn is None:
+        return
+    for r in records:
+        if r.get("phase") != "backward":
+            r["provenance"] = fn(r.get("layer"), r["site"])
