@@ -301,7 +301,7 @@ def _modules():
             y = self.ffn(self.ln_post(h), forced_ids) if self.moe else self.ffn(self.ln_post(h))
             return h + y, new_pool
 
-    _M = {"Block": Block}
+    _M = {"Block": Block, "KDAMixer": KDAMixer}  # KDAMixer alone: the partial-port example (PortlikeKDA)
     return _M
 
 
@@ -675,3 +675,82 @@ def _run_jit():
 
         _JIT = jax.jit(_run, static_argnames=("graphdef", "statics", "taps"), compiler_options=COMPILER_OPTIONS)
     return _JIT
+
+
+# ------------------------------------------------------------------------------------------ a partial port (issue 32)
+# The worked example of docs/porting.md "Partial ports": this port's KDA attention alone (its `KDAMixer`, packed
+# tokens, recurrent-state pool) as a `Part`; norms, MLA layers, MoE, embedding and head come from the reference.
+from parity.targets.partial import Part, PartialTarget, PartResult  # noqa: E402
+
+
+class PortlikeKDA(Part):
+    """portlike's KDA mixer as the attention block of KDA layers. It taps nothing inside the block (the report then
+    compares the block's output, `attention`, and says the port does not produce its sub-sites); `variant` as
+    PortlikeTarget's (`softplus_gate` breaks the decay gate)."""
+
+    block, kinds = "attention", ("kda",)
+
+    def __init__(self, variant: str = "ok") -> None:
+        self.variant = variant
+        self.mixers: dict[int, Any] = {}
+
+    def load(self, i: int, hf_tensors) -> None:
+        from parity.jax_ling3.spec import layer_spec
+        from parity.jax_ling3.weights import convert_layer
+
+        p = convert_layer(self.cfg, i, hf_tensors, self.dtype)
+        self.mixers[i] = _modules()["KDAMixer"](p["attention"], layer_spec(self.cfg, i, self.dtype).model,
+                                                self.variant)
+
+    def unload(self, i: int) -> None:
+        self.mixers.pop(i, None)
+
+    def forward(self, i: int, x, positions, state=None, forced_topk=None) -> PartResult:
+        import jax.numpy as jnp
+        from flax import nnx
+
+        x = np.asarray(x)
+        B, T, _ = x.shape
+        pool = state if state is not None else self._new_pool(B, x.dtype)
+        pb = PackedBatch.of(B, T)
+        graphdef, params = nnx.split(self.mixers[i])
+        out, new_pool = _mixer_jit()(graphdef, params, jnp.asarray(pb.pack(x)), jnp.asarray(pb.slots), pool,
+                                     tuple(int(c) for c in pb.cu_seqlens))
+        return PartResult(pb.unpack(np.asarray(out)), state=new_pool)
+
+    def _new_pool(self, B: int, dtype):
+        import jax.numpy as jnp
+
+        cfg = self.cfg
+        H, d, P, W = cfg.num_attention_heads, cfg.head_dim, cfg.kda_proj_size, cfg.short_conv_kernel_size
+        return {"ssm": jnp.zeros((1 + B, H, d, d), jnp.float32), "conv": jnp.zeros((1 + B, 3, P, W), dtype)}
+
+    def describe(self) -> dict:
+        return {"part": "portlike KDAMixer", "variant": self.variant}
+
+
+class PortlikeKDAOnly(PartialTarget):
+    """portlike's KDA attention, everything else the reference (`--parity-target
+    parity.targets.portlike:PortlikeKDAOnly`)."""
+
+    def __init__(self, variant: str = "ok", **reference_options) -> None:
+        super().__init__(PortlikeKDA(variant), name=f"portlike-kda-only{'' if variant == 'ok' else '+' + variant}",
+                         **reference_options)
+
+
+def _mixer_run(graphdef, params, x, slots, pool, cu):
+    from flax import nnx
+
+    return nnx.merge(graphdef, params)(x, {"slots": slots, "cu": cu}, pool)
+
+
+_MIXER_JIT = None
+
+
+def _mixer_jit():
+    global _MIXER_JIT
+    if _MIXER_JIT is None:
+        import jax
+
+        _MIXER_JIT = jax.jit(_mixer_run, static_argnames=("graphdef", "cu"), compiler_options=COMPILER_OPTIONS)
+    return _MIXER_JIT
