@@ -35,7 +35,7 @@ def _point_line(title: str, d: dict | None) -> str:
 def report_markdown(report: dict, bundle_note: str | None = None) -> list[str]:
     """The summary section of one report."""
     from parity.reporting.repro import repro_commands
-    from parity.reporting.report import _loc, layer_table_markdown
+    from parity.reporting.report import _loc, layer_table_markdown, source_meaning
 
     verdict = "PASSED" if report["passed"] else "FAILED"
     out = [f"### {'✅' if report['passed'] else '❌'} {verdict}: `{report['dump']}`", "",
@@ -43,7 +43,8 @@ def report_markdown(report: dict, bundle_note: str | None = None) -> list[str]:
     fd = report.get("first_divergence")
     if fd:
         out.append(_point_line("first divergence", fd))
-        out.append(f"- source: `{_loc(fd['source'])}` — the error starts there; later failures inherit it")
+        out.append(f"- source: `{_loc(fd['source'])}` — {source_meaning(report)}")
+        out += _port_section(report)
     triage = report.get("triage")
     if triage is not None:  # the lead's triage section: the first semantic and the first precision divergence
         out.append(_point_line("first semantic divergence", triage.get("first_semantic")))
@@ -104,3 +105,10 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _port_section(report: dict) -> list[str]:
+    """The port-facing lines (issue 32): every independent source, target call errors, dtype notes, provenance."""
+    from parity.reporting.report import port_lines
+
+    return [f"- {line.strip()}" for line in port_lines(report)]

@@ -220,6 +220,7 @@ class ParitySession:
             try:
                 recs = [r.to_json() for r in judge(s, obs)]
                 _mark_provenance(s.target, recs)
+                _independent_sources(s, layer, recs)
             except StallError as e:  # every test of this layer fails with the same line
                 self.stalls[key] = str(e)
                 raise
@@ -235,6 +236,14 @@ def _mark_provenance(target, recs: list[dict]) -> None:
     from parity.targets.base import mark_provenance
 
     mark_provenance(target, recs)
+
+
+def _independent_sources(s, layer, recs: list[dict]) -> None:
+    """After a failing layer: its failing sub-modules re-run on their own dumped inputs (issue 32,
+    parity.replay.independent), each failing record marked `independent_source`."""
+    from parity.replay.independent import annotate
+
+    annotate(s, layer, recs)
 
 
 def _session(config) -> ParitySession:

@@ -68,6 +68,10 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
             from parity.targets.base import mark_provenance
 
             mark_provenance(s.target, records)  # a composed target: which points the port computed (issue 32)
+            from parity.replay.independent import annotate
+
+            for i in sorted({r["layer"] for r in records if isinstance(r.get("layer"), int)}):
+                annotate(s, i, [r for r in records if r.get("layer") == i])  # every independent source (issue 32)
             from parity.reporting.repro import run_context
 
             # `target` is the display name here (a Target instance has no command-line spelling): `target_class` is

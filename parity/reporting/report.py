@@ -213,7 +213,7 @@ def summary_text(report: dict, *, max_rows: int = 60) -> str:
             lines.append(f"  rounding check: {rnd['outside']} element(s) outside what fp32 rounding of the RMSNorm "
                          f"formula gives, first at {rnd.get('index')} (test {_fmt(rnd.get('test'), '.6g')}, dump "
                          f"{_fmt(rnd.get('ref'), '.6g')})")
-        lines.append(f"  source: {_loc(src)} — the error starts there; later failures inherit it")
+        lines.append(f"  source: {_loc(src)} — " + source_meaning(report))
         lines += repro_commands(report)
     lines += variant_lines(report)
     rows = layer_table(report)
@@ -228,6 +228,14 @@ def summary_text(report: dict, *, max_rows: int = 60) -> str:
     if len(rows) > max_rows:
         lines.append(f"  ... {len(rows) - max_rows} more rows in report.md")
     return "\n".join(lines)
+
+
+def source_meaning(report: dict) -> str:
+    """What the source line means in the report's mode: in isolated mode every site is fed its own dumped inputs, so
+    a failing site fails on its own; in the other modes later failures inherit the source's error."""
+    if report.get("mode") == "isolated":
+        return "fails on its own dumped inputs (isolated: every failing site is independent)"
+    return "the error starts there; later failures inherit it"
 
 
 def triage_lines(tri: dict) -> list[str]:
@@ -406,8 +414,7 @@ def html_page(report: dict) -> str:
         head += (f"<div class='fd'><b>First divergence:</b> <code>{esc(_loc(fd))}</code> — max {fd.get('max_ulp')} ULP, "
                  f"rel-L2 {_fmt(fd.get('rel_l2'))}, worst at {esc(str(fd.get('worst_index')))} "
                  f"(ref {_fmt(fd.get('worst_ref'), '.7g')}, test {_fmt(fd.get('worst_test'), '.7g')})<br>"
-                 f"<b>Source:</b> <code>{esc(_loc(fd['source']))}</code> — the error starts there; "
-                 f"everything after it inherits it.</div>")
+                 f"<b>Source:</b> <code>{esc(_loc(fd['source']))}</code> — {esc(source_meaning(report))}.</div>")
         if fd.get("message"):
             head += f"<pre>{esc(fd['message'])}</pre>"
     extra = ((triage_lines(report["triage"]) if report.get("triage") else []) + variant_lines(report)
@@ -536,7 +543,7 @@ def dtype_notes(records: list[dict]) -> list[dict]:
 def port_sections(records: list[dict]) -> dict:
     """The port-facing report.json keys that have content (see above)."""
     out = {"target_errors": target_errors(records), "dtype_notes": dtype_notes(records),
-           "provenance": provenance_summary(records)}
+           "provenance": provenance_summary(records), "independent_sources": independent_sources(records)}
     return {k: v for k, v in out.items() if v}
 
 
@@ -544,7 +551,7 @@ def port_lines(report: dict) -> list[str]:
     """Terminal lines of the port-facing sections (target call errors, dtype notes)."""
     out = [f"  TARGET ERROR: {e['message']} — {e['points']} point(s) of it not tested"
            for e in report.get("target_errors") or ()]
-    out += provenance_lines(report)
+    out += provenance_lines(report) + independent_lines(report)
     for n in report.get("dtype_notes") or ():
         lay = "model" if n["layer"] is None else f"layer {n['layer']}"
         sites = ", ".join(n["sites"][:6]) + (f", ... ({len(n['sites'])} sites)" if len(n["sites"]) > 6 else "")
@@ -590,4 +597,33 @@ def provenance_lines(report: dict) -> list[str]:
     for sites, lays in groups.items():
         shown = ", ".join(sites[:8]) + (f", ... ({len(sites)} sites)" if len(sites) > 8 else "")
         out.append(f"    port: {', '.join(lays)}: {shown}")
+    return out
+
+
+def independent_sources(records: list[dict]) -> list[dict]:
+    """Per layer, every site that fails on its own dumped inputs (`independent_source`, parity.replay.independent),
+    in execution order, with its first failing step; an entry {"layer", "note"} where it could not be checked."""
+    out: dict[tuple, dict] = {}
+    for r in records:
+        if r.get("independent_source"):
+            out.setdefault((r.get("layer"), r["site"]), {"layer": r.get("layer"), "site": r["site"],
+                                                          "phase": r["phase"], "step": r.get("step", 0)})
+        elif r.get("independent_source_note"):
+            out.setdefault((r.get("layer"), None), {"layer": r.get("layer"), "note": r["independent_source_note"]})
+    return list(out.values())
+
+
+def independent_lines(report: dict) -> list[str]:
+    """Terminal lines: per failing layer, every independent source (fails on its own dumped inputs)."""
+    by: dict = {}
+    for e in report.get("independent_sources") or ():
+        by.setdefault(e["layer"], []).append(e)
+    out = []
+    for lay, es in by.items():
+        where = "model" if lay is None else f"L{lay:02d}"
+        sites = [e["site"] for e in es if "site" in e]
+        notes = [e["note"] for e in es if "note" in e]
+        if sites:
+            out.append(f"  independent sources {where} (each fails on its own dumped inputs): " + ", ".join(sites))
+        out += [f"  independent sources {where}: {n}" for n in notes]
     return out
