@@ -405,6 +405,52 @@ class Ling3Config:
         )
 
 
+# What each settable field's value must be (`field_value_error`, `tools/make_ckpt.py --set`): (check, expected).
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+_VALUE_KINDS: dict[str, tuple] = {
+    "int": (_is_int, "an integer"),
+    "float": (_is_num, "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "dict": (lambda v: isinstance(v, dict), "a JSON object"),
+    "tuple[float, ...]": (lambda v: isinstance(v, (list, tuple)) and all(_is_num(x) for x in v), "a list of numbers"),
+    "list[int]": (lambda v: isinstance(v, list) and all(_is_int(x) for x in v), "a list of integers"),
+}
+
+
+def settable_fields() -> list[str]:
+    """The config.json fields Ling3Config models (official names), the ones `--set key=value` accepts."""
+    return sorted(f.name for f in fields(Ling3Config)
+                  if f.name not in ("qk_head_dim_field", "architecture", "unknown_fields", "raw"))
+
+
+def field_value_error(key: str, value: Any) -> str | None:
+    """None when `value` has the type field `key` (official name or alias) takes, else one line naming the key and
+    what was expected. Range rules are the config's own (`Ling3Config.from_dict` checks them afterwards)."""
+    name = ALIASES.get(key, key)
+    if name not in settable_fields():
+        return (f"'{key}' is not a Ling3 config field this suite models; expected one of "
+                + ", ".join(settable_fields()))
+    ann = {f.name: f.type for f in fields(Ling3Config)}[name]
+    kinds = [k.strip() for k in str(ann).split("|")]
+    if value is None:
+        return None if "None" in kinds else f"'{key}' = null, expected {_expected(kinds)}"
+    if any(_VALUE_KINDS[k][0](value) for k in kinds if k in _VALUE_KINDS):
+        return None
+    return f"'{key}' = {json.dumps(value)}, expected {_expected(kinds)}"
+
+
+def _expected(kinds: list[str]) -> str:
+    return " or ".join(_VALUE_KINDS[k][1] if k in _VALUE_KINDS else "null" for k in kinds)
+
+
 def _is_required(f) -> bool:
     return f.default is MISSING and f.default_factory is MISSING
 

@@ -16,6 +16,12 @@ Forks recorded (values are what `parity.torch_ref.semantics.probe` measured on t
   `parity.torch_ref.fla_cpu`): a bf16 run with the real kernels is `bfloat16`; the pure-PyTorch paths and the
   stand-ins compute fp32 unless the stand-ins' faithful mode is chosen (`dump_hf --kda-chunk-precision kernel`).
   Intended: float32 (the maths; a port keeping fp32 intermediates is more precise than the kernel, not wrong).
+
+Config forks recorded alongside (`CONFIG_FORKS`): choices the checkpoint's config.json makes, which the JAX reference
+follows from the dump's config, stated so a reader of the dump sees them without opening the config:
+- `kda_gate_form`: `lower-bound` (Ling3: g = lb·σ(exp(A_log)·(a + dt_bias)), `kda_lower_bound` = lb) | `softplus`
+  (Kimi's form g = −exp(A_log)·softplus(a + dt_bias), `kda_lower_bound: null`) | `not-applicable`; fla picks the form
+  by `lower_bound is None` (facts §3.5). The attr's `kda_lower_bound` holds the bound the runtime used.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ SEMANTICS_VERSION = 1
 FORKS = ("swiglu_clamp", "kda_gate_precision", "kda_beta_precision", "kda_chunk_precision")
 INTENDED = {"swiglu_clamp": "applied", "kda_gate_precision": "float32", "kda_beta_precision": "float32",
             "kda_chunk_precision": "float32"}
+CONFIG_FORKS = ("kda_gate_form",)
 # Values that say "this fork does not arise here" (nothing to depart from).
 NEUTRAL = {"not-configured", "not-applicable"}
 DESCRIPTION = {
@@ -70,6 +77,10 @@ def summarize(sem: dict[str, Any] | None) -> str:
     if not sem:
         return "semantics: not recorded (dump written before the semantics attr)"
     parts = [f"{f}={sem.get(f, '?')}" for f in FORKS]
+    form = sem.get("kda_gate_form")
+    if form is not None:  # dumps written before it was recorded lack it
+        lb = sem.get("kda_lower_bound")
+        parts.append(f"kda_gate_form={form}" + (f" (lb {lb:g})" if form == "lower-bound" and lb is not None else ""))
     dep = departures(sem)
     tail = f"; departs from intended on {', '.join(d['fork'] for d in dep)}" if dep else ""
     return "semantics: " + ", ".join(parts) + tail
@@ -79,7 +90,8 @@ def report_section(sem: dict[str, Any] | None, replayed_with: str, records: list
     """The report's `semantics` section: what the dump recorded, which behaviour the reference followed
     (`--parity-semantics`), each fork where the dump departs from the intended behaviour, and the points whose
     difference that departure explains (status `semantic`)."""
-    explained = [r for r in records if r.get("status") == "semantic"]
+    # a declared structural difference (parity.targets.taps.coarser) is `semantic` too, but no fork explains it
+    explained = [r for r in records if r.get("status") == "semantic" and not r.get("structural")]
     keys = []
     for r in explained:
         lay = "model" if r.get("layer") is None else f"L{r['layer']:02d}"
@@ -104,5 +116,5 @@ def report_lines(section: dict | None) -> list[str]:
     return out
 
 
-__all__ = ["SEMANTICS_VERSION", "FORKS", "INTENDED", "departures", "reference_options", "summarize",
+__all__ = ["SEMANTICS_VERSION", "FORKS", "CONFIG_FORKS", "INTENDED", "departures", "reference_options", "summarize",
            "report_section", "report_lines"]

@@ -513,7 +513,8 @@ def records_iter(report: dict) -> Iterable[dict]:
 # ------------------------------------------------------------------------------------------ port-facing notes (issue 32)
 # Sections a port engineer acts on, added to report.json only when they have something to say (so reports of a clean
 # run keep their keys): `target_errors` (a target call that raised: the unit's points are not tested), `dtype_notes`
-# (a target output in another dtype than the dump's, and the rounding the comparison applied).
+# (a target output in another dtype than the dump's, and the rounding the comparison applied), `structural_differences`
+# (a point the target declares in a coarser form: named, not compared).
 def target_errors(records: list[dict]) -> list[dict]:
     """One entry per target call that raised ({where, call, exception, frame, message, points}: how many points of
     its unit were not tested), from the records' `target_error` (plugin) in execution order."""
@@ -540,9 +541,24 @@ def dtype_notes(records: list[dict]) -> list[dict]:
     return list(out.values())
 
 
+def structural_differences(records: list[dict]) -> list[dict]:
+    """One entry per (site, declared structural form) a target computes with no exact mapping to the dump's point
+    (`parity.targets.taps.coarser`): {site, reason, points, layers}; those points are status `semantic`, not compared."""
+    out: dict[tuple, dict] = {}
+    for r in records:
+        if r.get("structural"):
+            e = out.setdefault((r["site"], r.get("transform")), {"site": r["site"], "reason": r.get("transform"),
+                                                                 "points": 0, "layers": []})
+            e["points"] += 1
+            if r.get("layer") not in e["layers"]:
+                e["layers"].append(r.get("layer"))
+    return list(out.values())
+
+
 def port_sections(records: list[dict]) -> dict:
     """The port-facing report.json keys that have content (see above)."""
     out = {"target_errors": target_errors(records), "dtype_notes": dtype_notes(records),
+           "structural_differences": structural_differences(records),
            "provenance": provenance_summary(records), "independent_sources": independent_sources(records)}
     return {k: v for k, v in out.items() if v}
 
@@ -552,6 +568,10 @@ def port_lines(report: dict) -> list[str]:
     out = [f"  TARGET ERROR: {e['message']} — {e['points']} point(s) of it not tested"
            for e in report.get("target_errors") or ()]
     out += provenance_lines(report) + independent_lines(report)
+    for d in report.get("structural_differences") or ():
+        lays = ", ".join("model" if x is None else str(x) for x in d["layers"][:8])
+        out.append(f"  STRUCTURAL: {d['site']}: {d['reason']} — not compared, status semantic "
+                   f"({d['points']} point(s), layer(s) {lays})")
     for n in report.get("dtype_notes") or ():
         lay = "model" if n["layer"] is None else f"layer {n['layer']}"
         sites = ", ".join(n["sites"][:6]) + (f", ... ({len(n['sites'])} sites)" if len(n["sites"]) > 6 else "")

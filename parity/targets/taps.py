@@ -50,10 +50,18 @@ class Transform:
     note: str
     test: Callable[[np.ndarray, dict], np.ndarray] | None = None
     ref: Callable[[np.ndarray], np.ndarray] | None = None
+    # Structural forms (issue 32): `compare_test` maps the target's value at comparison (an exact layout mapping of a
+    # value the target returns as is, e.g. one part of a fused tensor); `structural` is set where no exact mapping
+    # exists (a reduction: the target computes a coarser quantity) — the point is then reported as a semantic
+    # difference with this line as its reason, and never compared (`coarser`).
+    compare_test: Callable[[np.ndarray], np.ndarray] | None = None
+    structural: str | None = None
 
     def apply(self, ref: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(ref, test) as compared: only the reference side is mapped here (the test side is mapped at capture)."""
-        return (ref if self.ref is None else self.ref(ref)), test
+        """(ref, test) as compared: the reference side mapped by `ref`, the test side by `compare_test` (a tap's `test`
+        map runs at capture)."""
+        return (ref if self.ref is None else self.ref(ref)), (test if self.compare_test is None
+                                                              else self.compare_test(test))
 
 
 @dataclass(frozen=True)
@@ -346,6 +354,51 @@ def scores_to_logits(s: np.ndarray) -> np.ndarray:
     return np.log(s64) - np.log1p(-s64)
 
 
+# ------------------------------------------------------------------------------------------ structural forms (issue 32)
+def _axes(names: str) -> list[str]:
+    return [x.strip() for x in names.strip("[]").split(",")]
+
+
+def transposed(site: str, dump_layout: str, target_layout: str) -> Transform:
+    """The target returns `site` with its axes in another order, e.g. `transposed("attention.core", "B,T,H,d",
+    "B,H,T,d")`: an exact mapping — the dump's tensor is permuted into the target's layout and compared there, every
+    element against its own counterpart. Axis names must be the same set (docs/points.md names the dump's)."""
+    src, dst = _axes(dump_layout), _axes(target_layout)
+    if sorted(src) != sorted(dst) or len(set(src)) != len(src):
+        raise ValueError(f"transposed({site!r}): target layout [{','.join(dst)}] is not a permutation of the dump's "
+                         f"[{','.join(src)}]; expected the same axis names in another order")
+    perm = tuple(src.index(a) for a in dst)
+    return Transform(name="transposed", note=f"{site} compared in the target's layout [{','.join(dst)}] (the dump's "
+                     f"[{','.join(src)}] permuted {perm}, an exact mapping)", ref=lambda r: np.transpose(r, perm))
+
+
+def fused_part(site: str, axis: int, index: int, parts: int | Sequence[int], what: str = "") -> Transform:
+    """The target returns `site` fused with other tensors along `axis` (e.g. q, k, v projections as one [B,T,3P]
+    tensor): the part `index` of `parts` (a count of equal parts, or the sizes) is cut out and compared — exact.
+    The same fused tensor may be returned for each of its sites with its own index."""
+    sizes = None if isinstance(parts, int) else list(parts)
+
+    def cut(t: np.ndarray) -> np.ndarray:
+        t = np.asarray(t)
+        if sizes is None:
+            return np.split(t, parts, axis=axis)[index]
+        bounds = np.cumsum(sizes)[:-1]
+        return np.split(t, bounds, axis=axis)[index]
+
+    label = what or f"part {index} of {parts if sizes is None else sizes} along axis {axis}"
+    return Transform(name="fused_part", note=f"{site} cut from the target's fused tensor ({label}, an exact mapping)",
+                     compare_test=cut)
+
+
+def coarser(what: str, target_form: str, dump_form: str) -> Transform:
+    """The target computes a coarser quantity than the dump's point, with no exact mapping between them (e.g. a KDA
+    decay per head [B,T,H] where the canonical gate is per channel [B,T,H,d]): the point is reported as a named
+    structural difference (status `semantic`, this line as its reason), not compared — the adapter need not invent
+    the finer values, nor return any."""
+    line = f"target computes {what} {target_form}; the dump's is {dump_form}"
+    return Transform(name="coarser", note=line, structural=line)
+
+
 def reshape_to(shape_fn: Callable[[dict], tuple[int, ...]]) -> Callable[[np.ndarray, dict], np.ndarray]:
     def f(v: np.ndarray, ctx: dict) -> np.ndarray:
         return np.asarray(v).reshape(shape_fn(ctx))
@@ -353,4 +406,5 @@ def reshape_to(shape_fn: Callable[[dict], tuple[int, ...]]) -> Callable[[np.ndar
 
 
 __all__ = ["Tap", "TapSet", "Transform", "Captured", "ROUTER_SCORES", "scores_to_logits", "reshape_to",
+           "transposed", "fused_part", "coarser",
            "uninstall_all"]

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.model.config import PRESETS, Ling3Config
+from parity.model.config import ALIASES, PRESETS, Ling3Config, field_value_error
 from parity.errors import CheckpointError, ConfigError, ParityError
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
@@ -46,9 +46,11 @@ class TensorSpec:
     init: str  # linear | embed | norm | a_log | dt_bias | conv | router | expert_bias
 
 
-def resolve_config(preset_or_config: str | dict | Ling3Config, layers: int | None = None) -> dict[str, Any]:
-    """The config.json dict (official field names) for a preset name / config dict / Ling3Config, optionally cut to
-    `layers` main layers (SwiGLU limit lists cut alike)."""
+def resolve_config(preset_or_config: str | dict | Ling3Config, layers: int | None = None,
+                   overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json dict (official field names) for a preset name / config dict / Ling3Config, with `overrides`
+    (field -> value, each type-checked by `field_value_error`, then the whole config validated) applied, optionally
+    cut to `layers` main layers (SwiGLU limit lists cut alike)."""
     if isinstance(preset_or_config, str):
         if preset_or_config not in PRESETS:
             raise ConfigError(f"preset '{preset_or_config}': unknown, expected one of {sorted(PRESETS)}")
@@ -60,6 +62,11 @@ def resolve_config(preset_or_config: str | dict | Ling3Config, layers: int | Non
     else:
         raise ConfigError(f"make_checkpoint: expected a preset name, config dict or Ling3Config, got {type(preset_or_config).__name__}")
     d.pop("layer_types", None)  # official_remote_code.md §1.6
+    for key, value in (overrides or {}).items():
+        err = field_value_error(key, value)
+        if err:
+            raise ConfigError(f"--set {err}")
+        d[ALIASES.get(key, key)] = value
     if layers is not None:
         n = d["num_hidden_layers"]
         if not isinstance(layers, int) or not 1 <= layers <= n:
@@ -231,6 +238,7 @@ def make_checkpoint(
     dtype: str = "bfloat16",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     force: bool = False,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random Ling3 checkpoint directory and return its path.
 
@@ -252,7 +260,7 @@ def make_checkpoint(
             raise CheckpointError(f"{out}: already exists and is not empty; pass force=True (--force) to replace it")
         if out.is_dir() and not (out / "config.json").exists():
             raise CheckpointError(f"{out}: exists but holds no config.json; refusing to delete a non-checkpoint directory")
-    d = resolve_config(preset_or_config, layers)
+    d = resolve_config(preset_or_config, layers, overrides)
     cfg = Ling3Config.from_dict(d, source="checkpoint config")
     specs = checkpoint_tensors(cfg)
     shards = plan_shards(specs, DTYPES[dtype], max_shard_bytes)
@@ -321,8 +329,57 @@ def directory_digest(path: str | Path) -> dict[str, str]:
     }
 
 
+GATE_FORMS = ("lower-bound", "softplus")
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """`key=value` of `--set`: the value is JSON (`null`, `-5.0`, `[1.0, 2.0]`, `true`), else taken as a string."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected key=value (a Ling3 config field, a JSON value)")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text
+    return key.strip(), value
+
+
+def cli_overrides(preset: str, sets: list[str], gate_form: str | None, q_lora_rank: str | None,
+                  swiglu_clamp: str | None) -> dict[str, Any]:
+    """The config overrides of make_ckpt's fork options (facts sheet §3.5 gate form, §4.1 q-LoRA, §5.7 clamp) and its
+    `--set` items, in that order (a later `--set` wins)."""
+    out: dict[str, Any] = {}
+    if gate_form == "softplus":  # Kimi's form: fla picks it by `lower_bound is None` (facts §3.5)
+        out["kda_lower_bound"] = None
+    elif gate_form == "lower-bound":
+        out["kda_lower_bound"] = PRESETS[preset].get("kda_lower_bound") or -5.0
+    if q_lora_rank is not None:
+        if q_lora_rank in ("none", "null", "off"):
+            out["q_lora_rank"] = None
+        else:
+            try:
+                out["q_lora_rank"] = int(q_lora_rank)
+            except ValueError:
+                raise ConfigError(f"--q-lora-rank {q_lora_rank!r}: expected a positive integer or 'none'") from None
+    for item in sets:
+        k, v = parse_set(item)
+        out[k] = v
+    if swiglu_clamp is not None:
+        n = out.get("num_hidden_layers", PRESETS[preset]["num_hidden_layers"])
+        if swiglu_clamp in ("none", "null", "off"):
+            lim = None
+        else:
+            try:
+                lim = [float(swiglu_clamp)] * n
+            except ValueError:
+                raise ConfigError(f"--swiglu-clamp {swiglu_clamp!r}: expected a limit L > 0 or 'none'") from None
+        out["expert_swiglu_limit_list"] = out["share_expert_swiglu_limit_list"] = lim
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: make_ckpt.py --preset {tiny,tiny-flash,ling3-tiny} --seed N --out DIR [--layers N] [--dtype bf16|fp32]
+    [--gate-form lower-bound|softplus] [--q-lora-rank N|none] [--swiglu-clamp L|none] [--set key=value ...]
     [--max-shard-mb M] [--modeling twin|official] [--force]."""
     import argparse
     import sys
@@ -341,14 +398,25 @@ def main(argv: list[str] | None = None) -> int:
                          "modeling_bailing_moe_v3.py from $LING3_OFFICIAL_MODELING or "
                          "~/.cache/ling3-parity/official/ (sha256-verified; never copied into the repository)")
     ap.add_argument("--force", action="store_true", help="replace an existing checkpoint directory")
+    fk = ap.add_argument_group("config forks (facts sheet; each is a config.json field, validated by the config)")
+    fk.add_argument("--gate-form", choices=GATE_FORMS, default=None,
+                    help="KDA decay gate: lower-bound (Ling3, kda_lower_bound = the preset's -5) or softplus "
+                         "(Kimi's form, kda_lower_bound: null) (facts §3.5)")
+    fk.add_argument("--q-lora-rank", default=None, metavar="N|none",
+                    help="MLA query path: q-LoRA of rank N (Tiny) or none (a plain q_proj, Flash) (facts §4.1)")
+    fk.add_argument("--swiglu-clamp", default=None, metavar="L|none",
+                    help="SwiGLU clamp limit L on every layer's routed and shared experts, or none (facts §5.7)")
+    fk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="any Ling3 config field, VALUE as JSON (null, -5.0, [1.0, 2.0], true); repeatable")
     a = ap.parse_args(argv)
     try:
         if a.modeling == "official":
             from parity.torch_ref import official
 
             official.locate()  # before writing anything: one line saying how to provide the file
+        overrides = cli_overrides(a.preset, a.set, a.gate_form, a.q_lora_rank, a.swiglu_clamp)
         path = make_checkpoint(a.out, a.preset, seed=a.seed, layers=a.layers, dtype=a.dtype,
-                               max_shard_bytes=int(a.max_shard_mb * 2**20), force=a.force)
+                               max_shard_bytes=int(a.max_shard_mb * 2**20), force=a.force, overrides=overrides)
         if a.modeling == "official":
             official.install(path)
     except (CheckpointError, ConfigError, ParityError) as e:

@@ -136,10 +136,40 @@ def _recording(orig, entry: str, records: list):
         beta = bound.get("beta", kwargs.get("beta", args[4] if len(args) > 4 else None))
         records.append({"entry": entry, "g": _dtype_name(g), "beta": _dtype_name(beta),
                         "use_gate_in_kernel": bool(bound.get("use_gate_in_kernel",
-                                                             kwargs.get("use_gate_in_kernel", False)))})
+                                                             kwargs.get("use_gate_in_kernel", False))),
+                        "lower_bound": bound.get("lower_bound", kwargs.get("lower_bound", _ABSENT))})
         return orig(*args, **kwargs)
 
     return wrapper
+
+
+_ABSENT = "absent"  # the entry point was not given a lower_bound argument
+
+
+def gate_form_of(lower_bound) -> str:
+    """`kda_gate_form` of a lower bound: fla picks the form by `lower_bound is None` (facts §3.5)."""
+    return "softplus" if lower_bound is None else "lower-bound"
+
+
+def probe_gate_form(model, cfg, records: list[dict]) -> dict:
+    """The KDA decay gate form the runtime used: the `lower_bound` a kernel that computes the gate was given
+    (use_gate_in_kernel), else the KDA attention module's own `lower_bound` (the twin's pure-PyTorch path, the
+    built-in), else the config's `kda_lower_bound` — the probe string says which."""
+    if not any(cfg.layer_kind(i) == "kda" for i in range(cfg.num_hidden_layers)):
+        return {"value": "not-applicable", "lower_bound": None, "probe": "no KDA layer"}
+    r = next((r for r in records if r["use_gate_in_kernel"] and r["lower_bound"] != _ABSENT), None)
+    if r is not None:
+        lb, how = r["lower_bound"], f"lower_bound={r['lower_bound']!r} passed to {r['entry']} (gate in the kernel)"
+    else:
+        layers = _layers(model)
+        attn = next((getattr(layers[i], "attention", None) or getattr(layers[i], "self_attn", None)
+                     for i in range(cfg.num_hidden_layers) if cfg.layer_kind(i) == "kda"), None)
+        if attn is not None and hasattr(attn, "lower_bound"):
+            lb, how = attn.lower_bound, f"{type(attn).__name__}.lower_bound = {attn.lower_bound!r}"
+        else:
+            lb, how = cfg.kda_lower_bound, f"config kda_lower_bound = {cfg.kda_lower_bound!r} (not observed)"
+    lb = None if lb is None else float(lb)
+    return {"value": gate_form_of(lb), "lower_bound": lb, "probe": how}
 
 
 def _dtype_name(t) -> str:
@@ -176,20 +206,23 @@ def _observe_kda(model, cfg, records: list):
 def probe_kda(model, cfg, input_ids: torch.Tensor) -> dict:
     """The KDA gate / beta precision forks from one short forward (module docstring)."""
     if not any(cfg.layer_kind(i) == "kda" for i in range(cfg.num_hidden_layers)):
-        return {"gate": "not-applicable", "beta": "not-applicable", "probe": "no KDA layer"}
+        return {"gate": "not-applicable", "beta": "not-applicable", "probe": "no KDA layer",
+                "form": probe_gate_form(model, cfg, [])}
     records: list[dict] = []
     ids = torch.as_tensor(input_ids)[:1, :PROBE_TOKENS]
     with _observe_kda(model, cfg, records):
         model(input_ids=ids, use_cache=False)
     if not records:
         return {"gate": "undetermined", "beta": "undetermined",
-                "probe": f"no KDA entry point among {KDA_ENTRY_POINTS} was called"}
+                "probe": f"no KDA entry point among {KDA_ENTRY_POINTS} was called",
+                "form": probe_gate_form(model, cfg, [])}
     r = records[0]
+    form = probe_gate_form(model, cfg, records)
     gate = "float32" if r["use_gate_in_kernel"] else r["g"]
     how = (f"{r['entry']} received g {r['g']}" + (" with use_gate_in_kernel=True (gate computed in the kernel, fp32)"
                                                   if r["use_gate_in_kernel"] else " (already gated)")
            + f" and beta {r['beta']}; {len(records)} KDA call(s) on a {ids.shape[1]}-token forward")
-    return {"gate": gate, "beta": r["beta"], "probe": how}
+    return {"gate": gate, "beta": r["beta"], "probe": how, "form": form}
 
 
 CHUNK_ENTRY_POINTS = ("chunk_kda", "chunk_kimi_delta_attention", "kda_chunked")
@@ -265,7 +298,9 @@ def probe(model, cfg, input_ids: torch.Tensor) -> dict:
     chunk = probe_kda_chunk(model, cfg)
     sem = {"version": SEMANTICS_VERSION, "swiglu_clamp": clamp["value"], "kda_gate_precision": kda["gate"],
            "kda_beta_precision": kda["beta"], "kda_chunk_precision": chunk["value"],
-           "probes": {"swiglu_clamp": clamp["probe"], "kda": kda["probe"], "kda_chunk": chunk["probe"]}}
+           "kda_gate_form": kda["form"]["value"], "kda_lower_bound": kda["form"]["lower_bound"],
+           "probes": {"swiglu_clamp": clamp["probe"], "kda": kda["probe"], "kda_chunk": chunk["probe"],
+                      "kda_gate_form": kda["form"]["probe"]}}
     sem["departures"] = [d["fork"] for d in departures(sem)]
     return sem
 
