@@ -94,17 +94,18 @@ def _backward_points(s, t, i: int) -> dict[Point, np.ndarray]:
 def recognise(s, unit: int | str | None, records: list) -> list:
     """Mark the failing forward points of one replay unit that the dot-precision shadow explains: the target's array
     passes the point's own rule against the shadow's. Sets `stats["dot_precision"]` = {matches, max_ulp, rel_l2}
-    (vs the shadow) on each failing point it compared; statuses are unchanged (the point still fails: the target
+    (vs the shadow; routing: the same experts per token) on each failing point it compared; statuses are unchanged (the point still fails: the target
     is not what the reference computes under the policy). Runs the shadow only where a point fails; layer / forced
-    modes, main layers (forward and backward) and the model head (not MTP layers)."""
+    modes, main layers (forward and backward) and the model head (not MTP layers, not the re-run forced to the
+    dump's experts beside a plain run whose routing differed: the shadow runs unforced there)."""
     from parity.numerics.compare import compare
     from parity.replay.judge import compare_gradient, rule_site
     from parity.replay.records import Status
 
     if s.mode not in ("layer", "forced") or isinstance(unit, str):
         return records
-    failing = [r for r in records if r.status == Status.FAIL and r.observation is not None and r.observation.test is not None and not r.forced_routing
-               and r.point.site != "mlp.gate.topk_idx"]
+    failing = [r for r in records if r.status == Status.FAIL and r.observation is not None
+               and r.observation.test is not None and not r.forced_routing]
     if not failing:
         return records
     shadow = shadow_points(s, unit)
@@ -112,6 +113,10 @@ def recognise(s, unit: int | str | None, records: list) -> list:
         sh = shadow.get(r.point)
         test = np.asarray(r.observation.test)
         if sh is None or np.shape(sh) != test.shape or r.observation.transform is not None:
+            continue
+        if r.point.site.endswith("topk_idx"):  # routing: the same experts per token as the shadow chose
+            same = bool((np.sort(np.asarray(sh), -1) == np.sort(test, -1)).all())
+            r.stats["dot_precision"] = {"matches": same, "max_ulp": None, "rel_l2": None}
             continue
         rule = s.rules.rule_for(rule_site(r.point), s.mode, s.dump.dtype(r.point), s.dtype)
         cmp = compare_gradient if r.point.phase == "backward" else compare
