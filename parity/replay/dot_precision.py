@@ -94,8 +94,8 @@ def _backward_points(s, t, i: int) -> dict[Point, np.ndarray]:
 def recognise(s, unit: int | str | None, records: list) -> list:
     """Mark the failing forward points of one replay unit that the dot-precision shadow explains: the target's array
     passes the point's own rule against the shadow's. Sets `stats["dot_precision"]` = {matches, max_ulp, rel_l2}
-    (vs the shadow; routing: the same experts per token) on each failing point it compared; statuses are unchanged (the point still fails: the target
-    is not what the reference computes under the policy). Runs the shadow only where a point fails; layer / forced
+    (vs the shadow; routing: the same experts per token) on each failing point it compared; statuses are unchanged
+    (the point still fails: the target is not what the reference computes under the policy). Runs the shadow only where a point fails; layer / forced
     modes, main layers (forward and backward) and the model head (not MTP layers, not the re-run forced to the
     dump's experts beside a plain run whose routing differed: the shadow runs unforced there)."""
     from parity.numerics.compare import compare

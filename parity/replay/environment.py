@@ -88,7 +88,8 @@ def markdown_section(e: dict | None) -> list[str]:
     return out + [
         f"- platform: {e.get('platform')}, {e.get('device_count')} device(s), {e.get('device_kind')}",
         f"- jax {e.get('jax')}, jaxlib {e.get('jaxlib')}, libtpu {e.get('libtpu') or '-'}",
-        f"- XLA_FLAGS: `{env.get('XLA_FLAGS') or 'unset'}`; LIBTPU_INIT_ARGS: `{env.get('LIBTPU_INIT_ARGS') or 'unset'}`",
+        f"- XLA_FLAGS: `{env.get('XLA_FLAGS') or 'unset'}`; "
+        f"LIBTPU_INIT_ARGS: `{env.get('LIBTPU_INIT_ARGS') or 'unset'}`",
         f"- matmul precision applied to target calls: **{mp.get('policy', 'none')}** ({mp.get('source', '-')}); "
         f"process-wide jax_default_matmul_precision: {e.get('jax_default_matmul_precision')}",
         "- the suite's reference compiled with: " + (", ".join(f"`{k}={v}`" for k, v in opts.items())
