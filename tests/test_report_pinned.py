@@ -78,7 +78,8 @@ def test_report_identical_to_before_the_refactor(reports):
     # variants and what pairs an fp32 and a bf16 report for triage (issue 25: variants, checkpoint_fingerprint,
     # dump_dtype), point counts per phase (issue 26: counts_by_phase, forward and backward)
     added = {"target_info", "semantics", "checkpoint", "dump_file", "tolerances", "report_dir", "target_class",
-             "variants", "checkpoint_fingerprint", "dump_dtype", "counts_by_phase"}
+             "variants", "checkpoint_fingerprint", "dump_dtype", "counts_by_phase",
+             "replay_env", "dot_precision"}  # issue 31: where the target ran; the dot-precision diagnosis
     assert set(got) - set(want) <= added and set(want) <= set(got)
     assert got["semantics"]["departures"] == [] and got["semantics"]["explained_points"] == 0
     for k in want:

@@ -33,12 +33,13 @@ def shadow_target(s) -> Any:
     return s._shadows[key]
 
 
-def shadow_points(s, unit: int | None) -> dict[Point, np.ndarray]:
+def shadow_points(s, unit: int | None, phases: tuple[str, ...] = ("forward", "backward")) -> dict[Point, np.ndarray]:
     """The shadow's forward points of layer `unit` (teacher-forced over the dump's steps: each step fed the dumped
     layer input, the shadow's own state carried, routing forced to the dumped experts in `forced` mode), or of the
     model head (`unit` None: fed the dumped last-layer output); a layer's backward points too (its VJP at the dumped
     prefill input, fed the dumped `output` cotangent, routing forced to the dumped prefill experts, as the replay's
-    backward phase). The model-level backward points are not shadowed (the LM head's VJP runs outside the layers)."""
+    backward phase). The model-level backward points are not shadowed (the LM head's VJP runs outside the layers).
+    `phases`: which of "forward" / "backward" to run."""
     t = shadow_target(s)
     out: dict[Point, np.ndarray] = {}
     if unit is None:
@@ -54,7 +55,7 @@ def shadow_points(s, unit: int | None) -> dict[Point, np.ndarray]:
     s.call(f"layer {i}: load_layer (dot-precision shadow)", t.load_layer, i, s.ckpt.hf_tensors(i))
     state = None
     try:
-        for phase, step in s.steps():
+        for phase, step in s.steps() if "forward" in phases else ():
             inp = Point(phase, step, i, "input")
             if not s.dump.has(inp):
                 continue
@@ -70,7 +71,8 @@ def shadow_points(s, unit: int | None) -> dict[Point, np.ndarray]:
             pts = dict(r.points)
             pts.setdefault("output", r.output)
             out.update({Point(phase, step, i, k): v for k, v in pts.items()})
-        out.update(_backward_points(s, t, i))
+        if "backward" in phases:
+            out.update(_backward_points(s, t, i))
     finally:
         t.unload_layer(i)
     return out
@@ -95,20 +97,23 @@ def recognise(s, unit: int | str | None, records: list) -> list:
     """Mark the failing forward points of one replay unit that the dot-precision shadow explains: the target's array
     passes the point's own rule against the shadow's. Sets `stats["dot_precision"]` = {matches, max_ulp, rel_l2}
     (vs the shadow; routing: the same experts per token) on each failing point it compared; statuses are unchanged
-    (the point still fails: the target is not what the reference computes under the policy). Runs the shadow only where a point fails; layer / forced
-    modes, main layers (forward and backward) and the model head (not MTP layers, not the re-run forced to the
-    dump's experts beside a plain run whose routing differed: the shadow runs unforced there)."""
+    (the point still fails: the target is not what the reference computes under the policy). Runs the shadow only
+    where a point fails (the phases that fail), and no more in a session once a failing unit had none explained;
+    layer / forced modes, main layers (forward and backward) and the model head (not MTP layers, not the re-run
+    forced to the dump's experts beside a plain run whose routing differed: the shadow runs unforced there)."""
     from parity.numerics.compare import compare
     from parity.replay.judge import compare_gradient, rule_site
     from parity.replay.records import Status
 
-    if s.mode not in ("layer", "forced") or isinstance(unit, str):
+    if s.mode not in ("layer", "forced") or isinstance(unit, str) or getattr(s, "_dot_precision_off", False):
         return records
     failing = [r for r in records if r.status == Status.FAIL and r.observation is not None
                and r.observation.test is not None and not r.forced_routing]
     if not failing:
         return records
-    shadow = shadow_points(s, unit)
+    phases = tuple(sorted({"backward" if r.point.phase == "backward" else "forward" for r in failing}))
+    shadow = shadow_points(s, unit, phases)
+    explained = False
     for r in failing:
         sh = shadow.get(r.point)
         test = np.asarray(r.observation.test)
@@ -117,6 +122,7 @@ def recognise(s, unit: int | str | None, records: list) -> list:
         if r.point.site.endswith("topk_idx"):  # routing: the same experts per token as the shadow chose
             same = bool((np.sort(np.asarray(sh), -1) == np.sort(test, -1)).all())
             r.stats["dot_precision"] = {"matches": same, "max_ulp": None, "rel_l2": None}
+            explained |= same
             continue
         rule = s.rules.rule_for(rule_site(r.point), s.mode, s.dump.dtype(r.point), s.dtype)
         cmp = compare_gradient if r.point.phase == "backward" else compare
@@ -124,6 +130,11 @@ def recognise(s, unit: int | str | None, records: list) -> list:
         d = v.to_dict()
         r.stats["dot_precision"] = {"matches": bool(v.passed), "max_ulp": d.get("max_ulp"),
                                     "rel_l2": d.get("rel_l2")}
+        explained |= bool(v.passed)
+    if not explained:
+        # dot precision differs in every layer alike: a first failing unit it explains nothing of says it is not
+        # the cause, and the session's later units are not shadowed (one extra layer run per replay at most)
+        s._dot_precision_off = True
     return records
 
 
