@@ -123,6 +123,7 @@ def test_diagnosis_names_dot_precision_and_the_fix(planted_reports):
     text = summary_text(dict(fp32, triage=t))
     assert "DOT PRECISION" in text and "first dot precision" in text and "--parity-matmul-precision highest" in text
     assert "## Dot precision" in markdown(fp32)
+    assert "--parity-matmul-precision default" in text  # the reproduce command replays it the same way
 
 
 def test_diagnosis_is_semantic_when_the_shadow_is_broken(planted_reports, monkeypatch):

@@ -93,7 +93,7 @@ class Session:
     semantics: str = "dump"  # which behaviour on the semantic forks the reference follows: "dump" | "intended"
     strict_variants: bool = False  # named implementation variants (parity.numerics.variants) fail instead of passing
     # `--parity-matmul-precision` (None: the default policy, "highest"); every target call runs under the resolved
-    # policy (`parity.replay.dot_precision`), recorded in the report's `replay_env`
+    # policy (`parity.replay.matmul_policy`), recorded in the report's `replay_env`
     matmul_precision: str | None = None
 
     def __post_init__(self) -> None:
@@ -167,7 +167,7 @@ class Session:
     def call(self, what: str, fn, *args, **kwargs):
         """A target call under the session's watchdog: a stall is a StallError naming the dump, what was called
         (layer, phase, step, method) and the file with every thread's stacks. It runs under the session's
-        matmul-precision policy (`parity.replay.dot_precision.under_policy`)."""
+        matmul-precision policy (`parity.replay.matmul_policy.under_policy`)."""
         from parity.replay.matmul_policy import under_policy
 
         return self.watchdog.call(f"{self.dump.path.name} {what}", under_policy(self.policy["policy"], fn), *args,
@@ -182,7 +182,7 @@ class Session:
         given. `mesh`: a jax Mesh or a `--parity-mesh` spec such as "4x2". The session owns a dump it opened.
         A target that loads from disk (`needs_checkpoint_dir`, protocol v2) is given the checkpoint directory and the
         `layers` the replay will visit (None: all). `matmul_precision`: `--parity-matmul-precision` (None: the
-        default policy, `parity.replay.dot_precision`)."""
+        default policy, `parity.replay.matmul_policy`)."""
         from parity.numerics.tolerances import default_rules
         from parity.replay.matmul_policy import resolve_policy
 
