@@ -157,3 +157,34 @@ def test_policy_in_force_passes_the_planted_port():
     rep = run_replay(FP32, target=PlantedTpuDefaultPrecision, layers=[0])
     assert rep["passed"] and rep["counts"].get("fail", 0) == 0
     assert rep["replay_env"]["matmul_precision"]["policy"] == "highest" and rep["dot_precision"] is None
+
+
+def test_diagnosis_needs_the_first_failing_point_and_every_compared_one():
+    """A precision bug's downstream points can match the shadow by chance (measured: `norm_stats_bf16` on tiny-bf16
+    layers 0-1, 15 of 66): the diagnosis is named only when the shadow explains the first failing point and every
+    failing point it was compared with, and the triage follows the report's gate."""
+    from parity.replay.matmul_policy import summary
+    from parity.reporting.triage import triage
+
+    def pt(site, status="fail", matches=None):
+        r = {"phase": "prefill", "step": 0, "layer": 0, "site": site, "status": status}
+        if matches is not None:
+            r["dot_precision"] = {"matches": matches}
+        return r
+
+    assert summary([pt("attention.q_proj", "pass")]) is None
+    full = summary([pt("attention.q_proj", matches=True), pt("attention.k_proj", matches=True)])
+    assert full["diagnosis"] and full["fix"] == FIX and full["explains_first"]
+    late = summary([pt("input_layernorm", matches=False), pt("attention.q_proj", matches=True)])
+    assert late["explained"] == 1 and not late["explains_first"] and late["diagnosis"] is None
+    partial = summary([pt("attention.q_proj", matches=True), pt("attention.k_proj", matches=False)])
+    assert partial["explains_first"] and partial["diagnosis"] is None
+
+    def rep(dtype, pts):
+        return {"dump": dtype, "dump_dtype": dtype, "checkpoint_fingerprint": "f", "target": "t", "mode": "layer",
+                "points": pts, "dot_precision": summary(pts)}
+
+    fp32 = rep("float32", [pt("input_layernorm", "pass"), pt("attention.q_proj", "pass")])
+    chance = rep("bfloat16", [pt("input_layernorm", matches=False), pt("attention.q_proj", matches=True)])
+    sites = {s["site"]: s["diagnosis"] for s in triage(fp32, chance)["sites"]}
+    assert sites == {"input_layernorm": "precision", "attention.q_proj": "precision"}

@@ -315,6 +315,10 @@ def dot_precision_lines(dp: dict | None) -> list[str]:
     if not dp.get("explained"):
         return [f"  dot precision: none of the {dp['compared']} failing point(s) compared matches the reference with "
                 "one-bf16-pass dots (not a dot-precision difference)"]
+    if not dp.get("diagnosis"):
+        return [f"  dot precision: {dp['explained']} of {dp['compared']} failing point(s) compared match the reference "
+                "with one-bf16-pass dots, " + ("but not all of them" if dp.get("explains_first") else
+                                               "but not the first failing point") + ": not the diagnosis"]
     return [f"  DOT PRECISION: {dp['explained']} of {dp['failing']} failing point(s) match the reference with "
             f"one-bf16-pass dots, first {_loc(dp['first'])}: {dp['diagnosis']}",
             f"  fix: {dp['fix']}"]

@@ -67,6 +67,8 @@ def triage(fp32: dict, bf16: dict) -> dict:
     `first_dot_precision` (the first failing point of a site whose failing points, on the tier that decides its
     diagnosis, all match the dot-precision shadow: diagnosis `dot precision`, never semantic nor precision)."""
     a, b = _statuses(fp32), _statuses(bf16)
+    # a site is diagnosed dot precision only where its report's shadow explains that report's first failing point
+    dot_a, dot_b = _explains_first(fp32), _explains_first(bf16)
     rank: dict[tuple, int] = {}
     for n, r in enumerate(bf16["points"] + fp32["points"]):
         rank.setdefault(_site(r), n)
@@ -81,13 +83,13 @@ def triage(fp32: dict, bf16: dict) -> dict:
         fa = [r for r in ra if r.get("status") in ("fail", "missing")]
         fb = [r for r in rb if r.get("status") in ("fail", "missing")]
         vb = [r for r in rb + ra if r.get("status") == "variant"]
-        if fa and _dot_precision(fa):
+        if fa and dot_a and _dot_precision(fa):
             diagnosis, first = DOT_PRECISION, fa[0]
             first_dot = earlier(first_dot, first)
         elif fa:
             diagnosis, first = SEMANTIC, fa[0]
             first_sem = earlier(first_sem, first)
-        elif fb and _dot_precision(fb):
+        elif fb and dot_b and _dot_precision(fb):
             diagnosis, first = DOT_PRECISION, fb[0]
             first_dot = earlier(first_dot, first)
         elif fb:
@@ -110,6 +112,11 @@ def triage(fp32: dict, bf16: dict) -> dict:
     return {"fp32_dump": fp32.get("dump"), "bf16_dump": bf16.get("dump"), "first_semantic": _brief(first_sem),
             "first_precision": _brief(first_prec), "first_dot_precision": _brief(first_dot),
             "variants": list(variants.values()), "sites": sites}
+
+
+def _explains_first(report: dict) -> bool:
+    """The report's dot-precision shadow explains its first failing point (`dot_precision.explains_first`)."""
+    return bool((report.get("dot_precision") or {}).get("explains_first"))
 
 
 def _dot_precision(failing: list[dict]) -> bool:
