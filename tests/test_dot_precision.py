@@ -161,7 +161,7 @@ def test_policy_in_force_passes_the_planted_port():
 
 def test_diagnosis_needs_the_first_failing_point_and_every_compared_one():
     """A precision bug's downstream points can match the shadow by chance (measured: `norm_stats_bf16` on tiny-bf16
-    layers 0-1, 15 of 66): the diagnosis is named only when the shadow explains the first failing point and every
+    layers 0-1, 6 of 66): the diagnosis is named only when the shadow explains the first failing point and every
     failing point it was compared with, and the triage follows the report's gate."""
     from parity.replay.matmul_policy import summary
     from parity.reporting.triage import triage

@@ -126,6 +126,11 @@ def recognise(s, unit: int | str | None, records: list) -> list:
             continue
         rule = s.rules.rule_for(rule_site(r.point), s.mode, s.dump.dtype(r.point), s.dtype)
         cmp = compare_gradient if r.point.phase == "backward" else compare
+        if r.observation.ref is not None and cmp(np.asarray(r.observation.ref), test, rule).passed:
+            # its ULP rule passes against the dump: another check failed it (e.g. the RMSNorm rounding check), which
+            # no dot precision explains
+            r.stats["dot_precision"] = {"matches": False, "max_ulp": None, "rel_l2": None}
+            continue
         v = cmp(np.asarray(sh), test, rule, name=r.point.key())
         d = v.to_dict()
         r.stats["dot_precision"] = {"matches": bool(v.passed), "max_ulp": d.get("max_ulp"),

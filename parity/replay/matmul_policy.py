@@ -53,7 +53,7 @@ def summary(points: list[dict]) -> dict | None:
     shadow explains, the first of them, whether it explains the first failing point (`explains_first`), and the
     diagnosis with the fix — named only where it explains the first failing point and every failing point it was
     compared with (a precision bug's downstream points can match it by chance: measured, the planted `norm_stats_bf16`
-    on tiny-bf16 layers 0-1 had 15 of 66 failing points within the bf16 rules of the shadow). None when no failing
+    on tiny-bf16 layers 0-1 had 6 of 66 failing points within the bf16 rules of the shadow, not the first). None when no failing
     point was compared with the shadow."""
     fails = [r for r in points if r.get("status") == "fail"]
     seen = [r for r in fails if "dot_precision" in r]
