@@ -25,6 +25,9 @@ FIELDS: dict[str, tuple] = {
     "cuda_capability": (str, type(None)),
     "fp32_matmul": (dict,),
 }
+# optional fields (dumps written before them lack them): issue 31's cuBLAS bf16 GEMM reduction setting
+OPTIONAL_FIELDS: dict[str, tuple] = {"bf16_gemm": (dict,)}
+BF16_GEMM_FIELDS = ("allow_bf16_reduced_precision_reduction", "policy", "allow_option")
 FP32_FIELDS = ("torch_allow_tf32", "cudnn_allow_tf32", "float32_matmul_precision", "triton_f32_default", "policy")
 
 
@@ -49,7 +52,22 @@ def check_kernels(value: Any, where: str) -> dict:
     missing = [k for k in FP32_FIELDS if k not in value["fp32_matmul"]]
     if missing:
         raise DumpError(f"{where}: root attr kernels field 'fp32_matmul' has no {missing[0]!r}")
+    for key, types in OPTIONAL_FIELDS.items():
+        if key in value and not isinstance(value[key], types):
+            raise DumpError(f"{where}: root attr kernels field {key!r} is {value[key]!r}, expected {_names(types)}")
+    missing = [k for k in BF16_GEMM_FIELDS if "bf16_gemm" in value and k not in value["bf16_gemm"]]
+    if missing:
+        raise DumpError(f"{where}: root attr kernels field 'bf16_gemm' has no {missing[0]!r}")
     return value
+
+
+def bf16_gemm_text(k: dict) -> str:
+    """The bf16 GEMM reduction setting of a dump (issue 31), or that the dump predates its record."""
+    b = k.get("bf16_gemm")
+    if b is None:
+        return "bf16 GEMM reduction: not recorded"
+    return f"bf16 GEMM reduction: {b['policy']} (allow_bf16_reduced_precision_reduction " \
+           f"{b['allow_bf16_reduced_precision_reduction']})"
 
 
 def kernels_line(k: dict | None) -> str:
@@ -62,7 +80,8 @@ def kernels_line(k: dict | None) -> str:
     return (f"{paths} | fla {k['fla_core_version'] or '-'}, triton {k['triton_version'] or '-'}, "
             f"TRITON_INTERPRET={k['triton_interpret'] or 'unset'} | {dev} | fp32 matmul: {fp['policy']} "
             f"(torch tf32 {fp['torch_allow_tf32']}, cudnn tf32 {fp['cudnn_allow_tf32']}, "
-            f"precision {fp['float32_matmul_precision']}, TRITON_F32_DEFAULT={fp['triton_f32_default'] or 'unset'})")
+            f"precision {fp['float32_matmul_precision']}, TRITON_F32_DEFAULT={fp['triton_f32_default'] or 'unset'}) | "
+            f"{bf16_gemm_text(k)}")
 
 
 def markdown_section(k: dict | None) -> list[str]:
@@ -80,8 +99,8 @@ def markdown_section(k: dict | None) -> list[str]:
                                           if k.get("cuda_name") else ""),
             f"- fp32 matmul: {fp['policy']}; torch allow_tf32 {fp['torch_allow_tf32']}, cudnn allow_tf32 "
             f"{fp['cudnn_allow_tf32']}, float32_matmul_precision {fp['float32_matmul_precision']}, "
-            f"TRITON_F32_DEFAULT {fp['triton_f32_default'] or 'unset'}", ""]
+            f"TRITON_F32_DEFAULT {fp['triton_f32_default'] or 'unset'}", f"- {bf16_gemm_text(k)}", ""]
     return out
 
 
-__all__ = ["check_kernels", "kernels_line", "markdown_section", "NOT_RECORDED"]
+__all__ = ["bf16_gemm_text", "check_kernels", "kernels_line", "markdown_section", "NOT_RECORDED"]

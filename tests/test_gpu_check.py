@@ -60,11 +60,18 @@ def test_plan_gpu_mode(tmp_path):
     opts = gc.Options(out=tmp_path, cpu_ref="interp")
     stages = {s.name: s for s in gc.plan(opts)}
     cases = gc.cases(opts)
-    assert len(cases) == 12 and cases[0].prompt_len > 64 and cases[0].precision == "bf16"
+    assert len(cases) == 16 and cases[0].prompt_len > 64 and cases[0].precision == "bf16"
     # fp32 IEEE and fp32 TF32 share one CPU reference dump: 2 ckpts x 2 dtypes x 2 prompts
     assert len([n for n in stages if n.endswith(":cpu") and n.startswith("dump:")]) == 8
     tf32, ieee = stages["dump:tiny-fp32-tf32-100:device"], stages["dump:tiny-fp32-ieee-100:device"]
     assert "--allow-tf32" in tf32.argv and "--allow-tf32" not in ieee.argv
+    # issue 31: bf16 with torch's reduced-precision bf16 GEMM reductions off (the dumper's default) and kept on; both
+    # compared with the one CPU bf16 dump
+    red, off = stages["dump:tiny-bf16-reduced-100:device"], stages["dump:tiny-bf16-100:device"]
+    assert "--allow-bf16-reduced-precision-reduction" in red.argv
+    assert "--allow-bf16-reduced-precision-reduction" not in off.argv
+    assert stages["compare:tiny-bf16-reduced-100"].needs == ("dump:tiny-bf16-100:cpu",
+                                                             "dump:tiny-bf16-reduced-100:device")
     for s in (tf32, ieee):
         assert s.argv[s.argv.index("--device") + 1] == "cuda" and "--no-cpu-kernels" in s.argv
         assert s.env["TRITON_INTERPRET"] is None

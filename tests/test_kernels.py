@@ -95,6 +95,35 @@ def test_fp32_on_cuda_forces_ieee_and_restores_unless_tf32_is_allowed(monkeypatc
         torch.set_float32_matmul_precision(before[2])
 
 
+def test_bf16_gemm_reductions_forced_off_on_cuda_and_restored_unless_allowed():
+    """issue 31 item 6: cuBLAS reduced-precision bf16 GEMM reductions off inside the block on CUDA (torch's flag is
+    a plain setting, settable without a GPU), restored after; left as found with the option or off CUDA."""
+    from parity.torch_ref.kernels import bf16_gemm_policy
+
+    before = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True  # torch's own default
+    try:
+        with bf16_gemm_policy("cuda", allow_reduced=False) as rec:
+            assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is False
+            assert rec["allow_bf16_reduced_precision_reduction"] is False and rec["policy"].startswith("full fp32")
+        assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is True
+        for device, allow in (("cuda", True), ("cpu", False)):
+            with bf16_gemm_policy(device, allow_reduced=allow) as rec:  # left as found, and recorded so
+                assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is True
+                assert rec["allow_bf16_reduced_precision_reduction"] is True and rec["allow_option"] is allow
+                assert rec["policy"].endswith("as found")
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = before
+
+
+def test_dumper_option_keeps_the_bf16_reductions():
+    from parity.cli.dump_hf import build_parser
+
+    assert not build_parser().parse_args(["ckpt", "--out", "x.h5"]).allow_bf16_reduced_precision_reduction
+    args = build_parser().parse_args(["ckpt", "--out", "x.h5", "--allow-bf16-reduced-precision-reduction"])
+    assert args.allow_bf16_reduced_precision_reduction
+
+
 # ------------------------------------------------------------------------------------------ dumps
 def _cpu_machine_with_triton(monkeypatch):
     """fla and triton importable (the probe answers so: a fake `triton` module would break torch's own imports), no
@@ -129,6 +158,11 @@ def test_default_dump_on_a_cpu_machine_with_triton_runs_the_stand_ins_and_says_s
     assert k["device"] == "cpu" and k["cuda_name"] is None and k["triton_interpret"] is None
     assert k["fp32_matmul"]["policy"].startswith("moot")
     assert "chunk_kda=stand-in" in kernels_line(k)
+    # issue 31: the bf16 GEMM reduction setting, recorded as found on a CPU machine
+    assert k["bf16_gemm"]["policy"].startswith("moot") and k["bf16_gemm"]["allow_option"] is False
+    assert k["bf16_gemm"]["allow_bf16_reduced_precision_reduction"] is \
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    assert "bf16 GEMM reduction: moot" in kernels_line(k)
 
 
 def test_the_twins_own_path_is_observed_not_inferred(tmp_path, monkeypatch):

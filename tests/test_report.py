@@ -104,18 +104,36 @@ def _table_fields(text: str) -> dict[str, list[str]]:
 
 def test_summary_table_columns_never_run_together():
     # issue 25: benign 0 followed by max ULP 2131735856 printed as `02131735856`; huge and non-finite values too
-    huge = {(0, "attention.core"): 2131735856, (1, "attention.core"): float("inf"), (2, "attention.core"): 7}
+    # (issue 31: the column is now max |Δ|/RMS, which can be as wide: 1e+300, inf)
+    huge = {(0, "attention.core"): 2131735856, (1, "attention.core"): 9, (2, "attention.core"): 7}
     recs = _records(huge)
     for r in recs:
         if (r["layer"], r["site"]) == (0, "attention.core"):
-            r["rel_l2"] = 1e300
+            r["rel_l2"], r["max_diff_rms"] = 1e300, 2131735856.0
+        if (r["layer"], r["site"]) == (1, "attention.core"):
+            r["max_diff_rms"] = "inf"  # report.json's spelling of a non-finite statistic
         if (r["layer"], r["site"]) == (2, "attention.core"):
-            r["rel_l2"] = float("nan")
+            r["rel_l2"], r["max_diff_rms"] = float("nan"), 7.0
     text = summary_text(build_report(CFG, recs, dump="d.h5", target="t", mode="layer"))
     rows = _table_fields(text)
-    for layer, (ulp, rel) in {"0": ("2131735856", "1.00e+300"), "1": ("inf", "1.00e-02"), "2": ("7", "1.00e-04")}.items():
+    for layer, (ulp, rel) in {"0": ("2.13e+09", "1.00e+300"), "1": ("inf", "1.00e-02"), "2": ("7", "1.00e-04")}.items():
         fields = rows[layer]
         assert len(fields) == 9, f"layer {layer}: columns ran together: {fields}"
         assert fields[:2] == ["prefill", "0"] and fields[4:8] == ["1", "0", ulp, rel], fields
         assert fields[8].startswith("attention.core")
     assert rows["0"][8].endswith("<- HERE") and all(line == line.rstrip() for line in text.splitlines())
+
+
+def test_ulp_figures_name_their_grid():
+    """issue 31 item 4: every ULP figure says which grid it counts on (the point's comparison dtype)."""
+    recs = _records({(3, "attention.core"): 400})
+    for r in recs:
+        r["dtype"] = "float32" if r["site"] == "attention.core" else "bfloat16"
+    rep = build_report(CFG, recs, dump="d.h5", target="t", mode="layer")
+    assert "first divergence: prefill/L03/attention.core  max 400 fp32 ULP" in summary_text(rep)
+    from parity.reporting.report import markdown
+
+    md = markdown(rep)
+    assert "max 400 fp32 ULP, p99 None fp32 ULP" in md and "`prefill/L03/attention.core`: max 400 fp32 ULP" in md
+    assert "max 400 fp32 ULP" in html_page(rep)
+    assert "| max \\|Δ\\|/RMS |" in md  # the per-layer table's column has no ULP (grid-free)

@@ -79,7 +79,8 @@ def test_report_identical_to_before_the_refactor(reports):
     # dump_dtype), point counts per phase (issue 26: counts_by_phase, forward and backward)
     added = {"target_info", "semantics", "checkpoint", "dump_file", "tolerances", "report_dir", "target_class",
              "variants", "checkpoint_fingerprint", "dump_dtype", "counts_by_phase",
-             "dtype_notes"}  # issue 32: the reference's LM head returns float32 logits where the dump holds bf16
+             "dtype_notes",  # issue 32: the reference's LM head returns float32 logits where the dump holds bf16
+             "replay_env", "dot_precision"}  # issue 31: where the target ran; the dot-precision diagnosis
     assert set(got) - set(want) <= added and set(want) <= set(got)
     assert got["semantics"]["departures"] == [] and got["semantics"]["explained_points"] == 0
     for k in want:

@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-tf32", action="store_true",
                    help="fp32 on CUDA: leave TF32 dots allowed (default: IEEE fp32 forced for torch and Triton); "
                         "recorded in the dump's `kernels` attr")
+    p.add_argument("--allow-bf16-reduced-precision-reduction", action="store_true",
+                   help="on CUDA: leave torch's allow_bf16_reduced_precision_reduction as found (default: turned "
+                        "off, so bf16 GEMMs reduce in fp32 as the CPU reference does); recorded in the dump's "
+                        "`kernels` attr (bf16_gemm)")
     p.add_argument("--kda-chunk-precision", choices=["fp32", "kernel"], default="fp32",
                    help="how the fla CPU stand-ins' chunk_kda (prompts over 64 tokens) rounds its intermediates: fp32 "
                         "(default, the maths) or kernel (fla's chunked Triton kernels' bf16 rounding points); "
@@ -306,6 +310,7 @@ def _options(args, dtype: str, layers, sites):
         write_thread={"auto": None, "on": True, "off": False}[args.write_thread], compression=args.compression,
         seed=args.seed, progress=not args.no_progress, trust_remote_code=args.trust_remote_code,
         allow_tf32=args.allow_tf32, kda_chunk_precision=args.kda_chunk_precision, grads=args.grads,
+        allow_bf16_reduced_precision_reduction=args.allow_bf16_reduced_precision_reduction,
     )
 
 

@@ -24,11 +24,11 @@ def find_reports(root: Path) -> list[Path]:
 
 
 def _point_line(title: str, d: dict | None) -> str:
-    from parity.reporting.report import _fmt, _loc
+    from parity.reporting.report import _fmt, _loc, ulps
 
     if not d:
         return f"- {title}: none"
-    return (f"- {title}: `{_loc(d)}` — max {d.get('max_ulp')} ULP, rel-L2 {_fmt(d.get('rel_l2'))}, worst at "
+    return (f"- {title}: `{_loc(d)}` — max {ulps(d)}, rel-L2 {_fmt(d.get('rel_l2'))}, worst at "
             f"{d.get('worst_index')} (ref {_fmt(d.get('worst_ref'), '.6g')}, test {_fmt(d.get('worst_test'), '.6g')})")
 
 
@@ -40,6 +40,13 @@ def report_markdown(report: dict, bundle_note: str | None = None) -> list[str]:
     verdict = "PASSED" if report["passed"] else "FAILED"
     out = [f"### {'✅' if report['passed'] else '❌'} {verdict}: `{report['dump']}`", "",
            f"target `{report['target']}` · mode `{report['mode']}` · {report.get('counts', {})}", ""]
+    if "replay_env" in report:  # where the target ran (issue 31)
+        from parity.replay.environment import env_line
+
+        out += [f"- replay env: {env_line(report['replay_env'])}"]
+    from parity.reporting.report import dot_precision_lines
+
+    out += [f"- {line.strip()}" for line in dot_precision_lines(report.get("dot_precision"))]
     fd = report.get("first_divergence")
     if fd:
         out.append(_point_line("first divergence", fd))
@@ -49,6 +56,8 @@ def report_markdown(report: dict, bundle_note: str | None = None) -> list[str]:
     if triage is not None:  # the lead's triage section: the first semantic and the first precision divergence
         out.append(_point_line("first semantic divergence", triage.get("first_semantic")))
         out.append(_point_line("first precision divergence", triage.get("first_precision")))
+        if triage.get("first_dot_precision"):
+            out.append(_point_line("first dot-precision divergence", triage["first_dot_precision"]))
     cmds = [c.split(": ", 1) for c in repro_commands(report)]
     out += [f"- {name.strip()}: `{cmd}`" for name, cmd in cmds]
     if bundle_note:

@@ -52,6 +52,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="fail points that match a named implementation variant (e.g. an RMSNorm that rounds once, "
                      "bf16(x·(r·w))) instead of reporting them as `variant` (counted as passing): for bit parity "
                      "with HF")
+    g.addoption("--parity-matmul-precision", default=None, choices=("default", "high", "highest"),
+                help="JAX matmul precision every target call runs under (jax.default_matmul_precision): highest "
+                     "(the default: the dumps' fp32 matmuls are IEEE fp32), high, or default (JAX's own setting: "
+                     "one bf16 pass for fp32 dots on TPU); recorded in report.json `replay_env`")
     g.addoption("--parity-stall-timeout", default=None, type=float, metavar="SECONDS",
                 help="a target call (one layer, step, method) that has not returned after this long fails, naming it, "
                      "with every thread's Python and native stacks (default 600; 0 = no limit)")
@@ -172,7 +176,8 @@ class ParitySession:
                          mesh=getattr(self.config, "_parity_mesh", None),  # mesh built in pytest_configure
                          layers=None if layers is None else sorted(layers), watchdog=self.watchdog(),
                          semantics=opt("--parity-semantics"),
-                         strict_variants=opt("--parity-strict-variants"))
+                         strict_variants=opt("--parity-strict-variants"),
+                         matmul_precision=opt("--parity-matmul-precision"))
         self.sessions[entry.run] = s
         return s
 
@@ -202,7 +207,7 @@ class ParitySession:
     def records(self, entry: DumpEntry, layer) -> dict:
         """{(phase, step, layer, site): report.json record} for one layer (or the model-level points when layer is
         None); free mode replays the whole model once."""
-        from parity.replay import judge, observe, observe_free
+        from parity.replay import judge, observe_free, unit_records
 
         from parity.errors import TargetCallError
         from parity.replay.watchdog import StallError
@@ -216,9 +221,8 @@ class ParitySession:
         if key not in self.replays:
             s = self.session(entry)
             self.release_others(entry.run)
-            obs = observe_free(s) if whole else observe(s, layer)
             try:
-                recs = [r.to_json() for r in judge(s, obs)]
+                recs = [r.to_json() for r in (judge(s, observe_free(s)) if whole else unit_records(s, layer))]
                 _mark_provenance(s.target, recs)
                 _independent_sources(s, layer, recs)
             except StallError as e:  # every test of this layer fails with the same line
@@ -605,6 +609,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
         sess = _session(config).sessions.get(label)  # this process's session (absent on an xdist controller)
         if sess is not None:  # protocol v2: what actually ran, in the report header
             rep["target_info"] = target_info(sess.target)
+        from parity.replay.environment import collect
+        from parity.replay.matmul_policy import resolve_policy
+
+        # where the target ran (issue 31); an xdist controller's own process: the same machine and environment
+        rep["replay_env"] = collect(resolve_policy(config.getoption("--parity-matmul-precision")))
         path = write_reports(rep, out_root / label)  # labels are one safe path component (dump_labels)
         built.append((rep, path))
     if not compared:

@@ -30,18 +30,27 @@ def replay_records(session: Session, layers=None, progress: Callable[[str], None
         held = set(session.layers())
         for i in range(session.config.num_hidden_layers) if layers is None else layers:
             if i in held:
-                yield from judge(session, observe(session, i))
+                yield from unit_records(session, i)
                 if progress:
                     progress(f"layer {i}")
-        yield from judge(session, observe_model_points(session))
+        yield from unit_records(session, None)
     if layers is None:  # the MTP layers (a main-layer selection does not name them)
         for j in mtp_units(session):
-            yield from judge(session, observe(session, j))
+            yield from unit_records(session, j)
+
+
+def unit_records(session: Session, unit) -> list[PointRecord]:
+    """The judged records of one replay unit (a layer, None: the model points, "MTP{j}"), its failing points
+    compared with the dot-precision shadow (`parity.replay.dot_precision`: recognised, not re-judged)."""
+    from parity.replay.dot_precision import recognise
+
+    return recognise(session, unit, list(judge(session, observe(session, unit))))
 
 
 def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", rules=None,
                layers=None, progress: Callable[[str], None] | None = None, mesh=None,
-               stall_timeout: float | None = None, semantics: str = "dump", strict_variants: bool = False) -> dict:
+               stall_timeout: float | None = None, semantics: str = "dump", strict_variants: bool = False,
+               matmul_precision: str | None = None) -> dict:
     """Programmatic replay of a whole dump: returns the report dict (`parity.reporting.report.build_report`).
 
     ckpt_dir defaults to the bundled checkpoint with the dump's fingerprint; target defaults to the reference target
@@ -50,8 +59,9 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
     `watchdog.DEFAULT_LIMIT_S`; 0 = none) bounds every target call (`parity.replay.watchdog`); semantics ("dump" or
     "intended", `--parity-semantics`) is the behaviour on the semantic forks a reference the replay constructs
     follows (parity/model/semantics.py); strict_variants (`--parity-strict-variants`) fails a point that matches a named
-    implementation variant (parity.numerics.variants) instead of reporting it as `variant`. `pytest parity` does the
-    same thing point by point.
+    implementation variant (parity.numerics.variants) instead of reporting it as `variant`; matmul_precision
+    (`--parity-matmul-precision`, None: the default "highest") is the policy every target call runs under
+    (parity.replay.matmul_policy). `pytest parity` does the same thing point by point.
     """
     from parity.replay.watchdog import DEFAULT_LIMIT_S, Watchdog
 
@@ -63,7 +73,7 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
     try:
         with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=rules, mesh=mesh,
                           layers=None if layers is None else list(layers), watchdog=wd, semantics=semantics,
-                          strict_variants=strict_variants) as s:
+                          strict_variants=strict_variants, matmul_precision=matmul_precision) as s:
             records = [r.to_json() for r in replay_records(s, layers, progress)]
             from parity.targets.base import mark_provenance
 
@@ -89,6 +99,9 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
 
             if env := target_environment(s.target):  # what the reproduce line and repro bundles set (issue 32)
                 rep["target_environment"] = env
+            from parity.replay.environment import collect
+
+            rep["replay_env"] = collect(s.policy)  # where it ran (issue 31)
     finally:
         wd.close()  # its thread ends; closing the session released the target's weights (steady memory, issue 25)
     return rep
@@ -96,4 +109,4 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
 
 __all__ = ["MODES", "ModeError", "Observation", "PointRecord", "Session", "Status", "check_mode", "dump_steps",
            "find_checkpoint", "judge", "judge_point", "judge_step", "observe", "observe_free", "observe_isolated",
-           "observe_layer", "observe_model_points", "replay_records", "run_replay"]
+           "observe_layer", "observe_model_points", "replay_records", "run_replay", "unit_records"]

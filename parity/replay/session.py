@@ -92,6 +92,9 @@ class Session:
     watchdog: Any = None  # parity.replay.watchdog.Watchdog; None: the default limit
     semantics: str = "dump"  # which behaviour on the semantic forks the reference follows: "dump" | "intended"
     strict_variants: bool = False  # named implementation variants (parity.numerics.variants) fail instead of passing
+    # `--parity-matmul-precision` (None: the default policy, "highest"); every target call runs under the resolved
+    # policy (`parity.replay.matmul_policy`), recorded in the report's `replay_env`
+    matmul_precision: str | None = None
 
     def __post_init__(self) -> None:
         check_mode(self.mode, self.target)
@@ -102,6 +105,9 @@ class Session:
 
             self.watchdog = Watchdog()
         self._shadows: dict[str, Any] = {}
+        from parity.replay.matmul_policy import resolve_policy
+
+        self.policy = resolve_policy(self.matmul_precision)
 
     # -------------------------------------------------------------- semantic forks (parity/model/semantics.py)
     def departures(self) -> list[dict]:
@@ -161,9 +167,13 @@ class Session:
     def call(self, what: str, fn, *args, **kwargs):
         """A target call under the session's watchdog: a stall is a StallError naming the dump, what was called
         (layer, phase, step, method) and the file with every thread's stacks; an exception the target raises is a
-        TargetCallError naming what was called and the exception's last frame (`what` is "<where>: <method>")."""
+        TargetCallError naming what was called and the exception's last frame (`what` is "<where>: <method>"). It
+        runs under the session's matmul-precision policy (`parity.replay.matmul_policy.under_policy`)."""
+        from parity.replay.matmul_policy import under_policy
+
         try:
-            return self.watchdog.call(f"{self.dump.path.name} {what}", fn, *args, **kwargs)
+            return self.watchdog.call(f"{self.dump.path.name} {what}", under_policy(self.policy["policy"], fn),
+                                      *args, **kwargs)
         except ParityError:
             raise
         except Exception as e:  # the adapter's own failure: one line naming the call and where it raised
@@ -172,13 +182,17 @@ class Session:
     @classmethod
     def open(cls, dump, ckpt_dir: str | Path | None = None, *, target=None, mode: str = "layer", rules=None,
              mesh=None, layers: list[int] | None = None, watchdog=None, semantics: str = "dump",
-             strict_variants: bool = False) -> "Session":
+             strict_variants: bool = False, matmul_precision: str | None = None) -> "Session":
         """Open a dump (path or DumpReader), find its checkpoint, resolve and build the target ('reference' by
         default; a name as `--parity-target` takes, a Target class or instance), with the default rules unless
         given. `mesh`: a jax Mesh or a `--parity-mesh` spec such as "4x2". The session owns a dump it opened.
         A target that loads from disk (`needs_checkpoint_dir`, protocol v2) is given the checkpoint directory and the
-        `layers` the replay will visit (None: all)."""
+        `layers` the replay will visit (None: all). `matmul_precision`: `--parity-matmul-precision` (None: the
+        default policy, `parity.replay.matmul_policy`)."""
         from parity.numerics.tolerances import default_rules
+        from parity.replay.matmul_policy import resolve_policy
+
+        resolve_policy(matmul_precision)  # a bad value is one error before anything is built
 
         if semantics not in SEMANTICS:
             raise ParityError(f"semantics {semantics!r}: expected one of {', '.join(SEMANTICS)}")
@@ -207,7 +221,8 @@ class Session:
             # conditional entries (the calibration's sections for recorded semantic forks) resolved for this dump
             rules = (rules or default_rules()).for_semantics(reader.semantics)
             s = cls(dump=reader, ckpt=ckpt, target=tgt, rules=rules, mode=mode, dtype=dtype,
-                    watchdog=watchdog, semantics=semantics, strict_variants=strict_variants)
+                    watchdog=watchdog, semantics=semantics, strict_variants=strict_variants,
+                    matmul_precision=matmul_precision)
         except BaseException:
             if owned:
                 reader.close()

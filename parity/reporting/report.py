@@ -15,10 +15,13 @@ from typing import Iterable
 
 from parity.model.points import Point, mtp_site, point_inputs, sites_for_config
 from parity.provenance import kernels_line, markdown_section
+from parity.replay.environment import env_line, markdown_section as env_markdown
+from parity.replay.matmul_policy import FIX as _DOT_FIX, summary as dot_precision_summary
 
 SCHEMA = "ling3-parity-report"
 VERSION = 1
 FAILING = ("fail",)
+_DOT_WHAT = "fails on fp32 like a reference whose fp32 dots run one bf16 pass"
 
 
 def _site_rank(cfg, layer: int | None, site: str) -> int:
@@ -89,7 +92,8 @@ def first_divergence(cfg, records: list[dict]) -> dict | None:
     source = source or failing[0]
     first = dict(failing[0])
     first["source"] = {k: source.get(k) for k in ("phase", "step", "layer", "site")}
-    first["source"].update({k: source.get(k) for k in ("max_ulp", "p99_ulp", "rel_l2", "worst_index") if k in source})
+    first["source"].update({k: source.get(k) for k in ("max_ulp", "p99_ulp", "rel_l2", "worst_index", "dtype")
+                            if k in source})
     return first
 
 
@@ -110,6 +114,8 @@ def build_report(cfg, records: list[dict], *, dump: str, target: str, mode: str,
         "counts_by_phase": _phase_counts(ordered),
         "first_divergence": fd,
         "variants": variants_summary(ordered),
+        # failing points the dot-precision shadow explains (parity.replay.dot_precision; None: none compared)
+        "dot_precision": dot_precision_summary(ordered),
         "points": ordered,
         **(extra or {}),
     }
@@ -137,12 +143,16 @@ def phase_lines(report: dict) -> list[str]:
 
 
 def layer_table(report: dict) -> list[dict]:
-    """One row per (phase, step, layer): points, failures, worst max ULP / rel-L2, first failing site."""
+    """One row per (phase, step, layer): points, failures, the worst |Δ| in units of its reference row's RMS
+    (`max_diff_rms`: grid-free, finite at sign crossings and near-zero values, where an fp32 point's ULP distance
+    reaches ~2e9), the worst rel-L2, first failing site. `max_ulp` (the largest ULP distance of any point, whatever its
+    grid) is kept for old readers; nothing shows it."""
     rows: dict[tuple, dict] = {}
     for r in report["points"]:
         key = (r["phase"], r.get("step", 0), r.get("layer"))
         row = rows.setdefault(key, {"phase": key[0], "step": key[1], "layer": key[2], "points": 0, "failed": 0,
-                                    "benign": 0, "missing": 0, "max_ulp": 0, "max_rel_l2": 0.0, "first_fail": ""})
+                                    "benign": 0, "missing": 0, "max_ulp": 0, "max_diff_rms": 0.0,
+                                    "max_rel_l2": 0.0, "first_fail": ""})
         row["points"] += 1
         st = r.get("status")
         if st == "fail":
@@ -152,10 +162,33 @@ def layer_table(report: dict) -> list[dict]:
             row[st] += 1
         if isinstance(r.get("max_ulp"), (int, float)) and r["max_ulp"] is not None:
             row["max_ulp"] = max(row["max_ulp"], r["max_ulp"])
+        dr = _number(r.get("max_diff_rms"))
+        if dr is not None and not math.isnan(dr):
+            row["max_diff_rms"] = max(row["max_diff_rms"], dr)
         rl = r.get("rel_l2")
         if isinstance(rl, (int, float)) and math.isfinite(rl):
             row["max_rel_l2"] = max(row["max_rel_l2"], rl)
     return list(rows.values())
+
+
+def _number(x) -> float | None:
+    """A statistic as a float: report.json spells non-finite floats 'inf' / '-inf' / 'nan'."""
+    if isinstance(x, bool) or x is None:
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if x in ("inf", "-inf", "nan"):
+        return float(x)
+    return None
+
+
+GRIDS = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+def ulps(d: dict, key: str = "max_ulp") -> str:
+    """A ULP figure with the grid it counts on, e.g. `10 bf16 ULP` (the point's `dtype`: the comparison grid)."""
+    grid = GRIDS.get(d.get("dtype"), d.get("dtype"))
+    return f"{d.get(key)} {grid} ULP" if grid else f"{d.get(key)} ULP"
 
 
 def _loc(d: dict) -> str:
@@ -173,7 +206,7 @@ def _fmt(x, spec=".3g") -> str:
 
 
 # The terminal's per-layer table: header and alignment ("<" left, ">" right) of each column.
-TABLE_HEADER = ("phase", "step", "layer", "points", "fail", "benign", "max ULP", "rel-L2", "first failing site")
+TABLE_HEADER = ("phase", "step", "layer", "points", "fail", "benign", "max |Δ|/RMS", "rel-L2", "first failing site")
 TABLE_ALIGN = "<>>>>>>><"
 
 
@@ -199,13 +232,17 @@ def summary_text(report: dict, *, max_rows: int = 60) -> str:
     lines += phase_lines(report)
     if "dump_provenance" in report:  # which kernels made the dump (None: not recorded in it)
         lines.append(f"  dump kernels: {kernels_line(report['dump_provenance'])}")
+    if "replay_env" in report:  # where the target ran (issue 31)
+        lines.append(f"  replay env: {env_line(report['replay_env'])}")
+    lines += dot_precision_lines(report.get("dot_precision"))
     tri = report.get("triage")
-    if tri and (tri.get("first_semantic") or tri.get("first_precision") or tri.get("variants")):
+    if tri and (tri.get("first_semantic") or tri.get("first_precision") or tri.get("first_dot_precision")
+                or tri.get("variants")):
         lines += triage_lines(tri)  # an fp32 + bf16 pair: lead with the first semantic, then the first precision error
     fd = report.get("first_divergence")
     if fd:
         src = fd["source"]
-        lines.append(f"  first divergence: {_loc(fd)}  max {fd.get('max_ulp')} ULP, rel-L2 {_fmt(fd.get('rel_l2'))}, "
+        lines.append(f"  first divergence: {_loc(fd)}  max {ulps(fd)}, rel-L2 {_fmt(fd.get('rel_l2'))}, "
                      f"worst at {fd.get('worst_index')} (ref {_fmt(fd.get('worst_ref'), '.6g')}, "
                      f"test {_fmt(fd.get('worst_test'), '.6g')})")
         rnd = fd.get("rounding") or {}
@@ -223,7 +260,7 @@ def summary_text(report: dict, *, max_rows: int = 60) -> str:
                                                                                   fd.get("layer")) else ""
         lay = "model" if row["layer"] is None else str(row["layer"])
         cells.append([row["phase"], str(row["step"]), lay, str(row["points"]), str(row["failed"]), str(row["benign"]),
-                      str(row["max_ulp"]), f"{row['max_rel_l2']:.2e}", f"{row['first_fail']}{here}"])
+                      f"{row['max_diff_rms']:.3g}", f"{row['max_rel_l2']:.2e}", f"{row['first_fail']}{here}"])
     lines += ["  " + line for line in aligned_table(TABLE_HEADER, cells, TABLE_ALIGN)]
     if len(rows) > max_rows:
         lines.append(f"  ... {len(rows) - max_rows} more rows in report.md")
@@ -242,11 +279,15 @@ def triage_lines(tri: dict) -> list[str]:
     """Terminal lines of a triage, leading with the first semantic error, then the first precision error, then
     the variants."""
     out = [f"  triage (fp32 {tri.get('fp32_dump')} + bf16 {tri.get('bf16_dump')}):"]
+    dp = tri.get("first_dot_precision")
+    if dp is not None:  # issue 31: the fp32 dots of the target run at bf16 precision; said first, with the fix
+        out.append(f"    first dot precision ({_DOT_WHAT}): {_loc(dp)}  max {ulps(dp)}, rel-L2 "
+                   f"{_fmt(dp.get('rel_l2'))} — fix: {_DOT_FIX}")
     for key, what in (("first_semantic", "semantic  (fails on the fp32 dump: the formula differs)"),
                       ("first_precision", "precision (passes fp32, fails bf16: less precision than the reference)")):
         p = tri.get(key)
         out.append(f"    first {what}: " + ("none" if p is None else
-                   f"{_loc(p)}  max {p.get('max_ulp')} ULP, rel-L2 {_fmt(p.get('rel_l2'))}"))
+                   f"{_loc(p)}  max {ulps(p)}, rel-L2 {_fmt(p.get('rel_l2'))}"))
     for v in tri.get("variants") or ():
         shown = ", ".join(v["sites"][:6]) + (f", ... ({len(v['sites'])} sites)" if len(v["sites"]) > 6 else "")
         more = len(v.get("inheriting_sites") or ())
@@ -258,11 +299,15 @@ def triage_lines(tri: dict) -> list[str]:
 def triage_markdown(tri: dict) -> list[str]:
     """report.md section: the leading errors and the per-site table."""
     out = ["## Triage (fp32 + bf16)", "", f"fp32 dump `{tri.get('fp32_dump')}`, bf16 dump `{tri.get('bf16_dump')}`.", ""]
+    dp = tri.get("first_dot_precision")
+    if dp is not None:
+        out.append(f"- First dot-precision error ({_DOT_WHAT}): `{_loc(dp)}` — max {ulps(dp)}, rel-L2 "
+                   f"{_fmt(dp.get('rel_l2'))}. Fix: {_DOT_FIX}")
     for key, what in (("first_semantic", "First semantic error (fails on fp32)"),
                       ("first_precision", "First precision error (passes fp32, fails bf16)")):
         p = tri.get(key)
         out.append(f"- {what}: " + ("none" if p is None else
-                   f"`{_loc(p)}` — max {p.get('max_ulp')} ULP, rel-L2 {_fmt(p.get('rel_l2'))}"))
+                   f"`{_loc(p)}` — max {ulps(p)}, rel-L2 {_fmt(p.get('rel_l2'))}"))
     out += ["", "| layer | site | diagnosis | fp32 statuses | bf16 statuses |", "|---|---|---|---|---|"]
     for s in tri.get("sites") or ():
         lay = "model" if s["layer"] is None else s["layer"]
@@ -272,6 +317,23 @@ def triage_markdown(tri: dict) -> list[str]:
 
 def _counts(c: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(c.items())) or "-"
+
+
+def dot_precision_lines(dp: dict | None) -> list[str]:
+    """Terminal lines of the report's `dot_precision` section (issue 31): the diagnosis and the fix, or how many
+    failing points the dot-precision shadow did not explain."""
+    if not dp:
+        return []
+    if not dp.get("explained"):
+        return [f"  dot precision: none of the {dp['compared']} failing point(s) compared matches the reference with "
+                "one-bf16-pass dots (not a dot-precision difference)"]
+    if not dp.get("diagnosis"):
+        return [f"  dot precision: {dp['explained']} of {dp['compared']} failing point(s) compared match the reference "
+                "with one-bf16-pass dots, " + ("but not all of them" if dp.get("explains_first") else
+                                               "but not the first failing point") + ": not the diagnosis"]
+    return [f"  DOT PRECISION: {dp['explained']} of {dp['failing']} failing point(s) match the reference with "
+            f"one-bf16-pass dots, first {_loc(dp['first'])}: {dp['diagnosis']}",
+            f"  fix: {dp['fix']}"]
 
 
 def variants_summary(records: list[dict]) -> list[dict]:
@@ -308,13 +370,13 @@ def variant_lines(report: dict) -> list[str]:
 def layer_table_markdown(report: dict) -> list[str]:
     """The per-layer table as markdown lines (report.md, the CI job summary), HERE on the first divergence's row."""
     fd = report.get("first_divergence")
-    out = ["| phase | step | layer | points | fail | benign | max ULP | max rel-L2 | first failing site |",
+    out = ["| phase | step | layer | points | fail | benign | max \\|Δ\\|/RMS | max rel-L2 | first failing site |",
            "|---|---|---|---|---|---|---|---|---|"]
     for row in layer_table(report):
         here = " **← HERE**" if fd and (row["phase"], row["step"], row["layer"]) == (fd["phase"], fd.get("step", 0),
                                                                                    fd.get("layer")) else ""
         out.append(f"| {row['phase']} | {row['step']} | {'model' if row['layer'] is None else row['layer']} | "
-                   f"{row['points']} | {row['failed']} | {row['benign']} | {row['max_ulp']} | "
+                   f"{row['points']} | {row['failed']} | {row['benign']} | {row['max_diff_rms']:.3g} | "
                    f"{row['max_rel_l2']:.2e} | {row['first_fail']}{here} |")
     return out
 
@@ -326,6 +388,11 @@ def markdown(report: dict) -> str:
     info = report.get("target_info")  # protocol v2: what actually ran (Target.describe())
     if info:
         out += ["## What ran", ""] + [f"- {k}: `{v}`" for k, v in info.items()] + [""]
+    if "replay_env" in report:
+        out += env_markdown(report["replay_env"])
+    dp = dot_precision_lines(report.get("dot_precision"))
+    if dp:
+        out += ["## Dot precision", ""] + [f"- {line.strip()}" for line in dp] + [""]
     if "dump_provenance" in report:
         out += markdown_section(report["dump_provenance"])
     sem = report.get("semantics")
@@ -352,8 +419,8 @@ def markdown(report: dict) -> str:
     out += port_markdown(report)
     fd = report.get("first_divergence")
     if fd:
-        out += ["## First divergence", "", f"- point: `{_loc(fd)}` — max {fd.get('max_ulp')} ULP, "
-                f"p99 {fd.get('p99_ulp')} ULP, rel-L2 {_fmt(fd.get('rel_l2'))}, cosine {_fmt(fd.get('cosine'), '.6f')}",
+        out += ["## First divergence", "", f"- point: `{_loc(fd)}` — max {ulps(fd)}, "
+                f"p99 {ulps(fd, 'p99_ulp')}, rel-L2 {_fmt(fd.get('rel_l2'))}, cosine {_fmt(fd.get('cosine'), '.6f')}",
                 f"- worst element: index {fd.get('worst_index')}, ref {_fmt(fd.get('worst_ref'), '.7g')}, "
                 f"test {_fmt(fd.get('worst_test'), '.7g')}",
                 f"- source: `{_loc(fd['source'])}` (first failing point whose inputs pass)", ""]
@@ -363,7 +430,7 @@ def markdown(report: dict) -> str:
     out += ["", "## Failing points", ""]
     fails = [r for r in report["points"] if r.get("status") == "fail"]
     for r in fails[:200]:
-        out.append(f"- `{_loc(r)}`: max {r.get('max_ulp')} ULP, rel-L2 {_fmt(r.get('rel_l2'))}, worst "
+        out.append(f"- `{_loc(r)}`: max {ulps(r)}, rel-L2 {_fmt(r.get('rel_l2'))}, worst "
                    f"{r.get('worst_index')} (ref {_fmt(r.get('worst_ref'), '.6g')}, test {_fmt(r.get('worst_test'), '.6g')})")
     if not fails:
         out.append("none")
@@ -410,14 +477,17 @@ def html_page(report: dict) -> str:
             f"{esc(str(report.get('counts')))}</p>")
     if "dump_provenance" in report:
         head += f"<p>dump kernels: <code>{esc(kernels_line(report['dump_provenance']))}</code></p>"
+    if "replay_env" in report:
+        head += f"<p>replay env: <code>{esc(env_line(report['replay_env']))}</code></p>"
     if fd:
-        head += (f"<div class='fd'><b>First divergence:</b> <code>{esc(_loc(fd))}</code> — max {fd.get('max_ulp')} ULP, "
+        head += (f"<div class='fd'><b>First divergence:</b> <code>{esc(_loc(fd))}</code> — max {esc(ulps(fd))}, "
                  f"rel-L2 {_fmt(fd.get('rel_l2'))}, worst at {esc(str(fd.get('worst_index')))} "
                  f"(ref {_fmt(fd.get('worst_ref'), '.7g')}, test {_fmt(fd.get('worst_test'), '.7g')})<br>"
                  f"<b>Source:</b> <code>{esc(_loc(fd['source']))}</code> — {esc(source_meaning(report))}.</div>")
         if fd.get("message"):
             head += f"<pre>{esc(fd['message'])}</pre>"
-    extra = ((triage_lines(report["triage"]) if report.get("triage") else []) + variant_lines(report)
+    extra = (dot_precision_lines(report.get("dot_precision"))
+             + (triage_lines(report["triage"]) if report.get("triage") else []) + variant_lines(report)
              + port_lines(report))
     if extra:
         head += "<pre>" + esc("\n".join(x.strip() for x in extra)) + "</pre>"
@@ -429,13 +499,13 @@ def html_page(report: dict) -> str:
         rows_html.append(
             f"<tr class='{cls}'><td>{'HERE ▶' if here else ''}</td><td>{row['phase']}</td><td>{row['step']}</td>"
             f"<td>{lay}</td><td>{row['points']}</td><td>{row['failed']}</td><td>{row['benign']}</td>"
-            f"<td>{row['max_ulp']}</td><td>{row['max_rel_l2']:.2e}</td><td>{esc(row['first_fail'])}</td></tr>")
+            f"<td>{row['max_diff_rms']:.3g}</td><td>{row['max_rel_l2']:.2e}</td><td>{esc(row['first_fail'])}</td></tr>")
     pts_html = []
     for r in report["points"]:
         if r.get("status") in ("fail", "benign", "missing"):
             pv = f" ({r['provenance']})" if r.get("provenance") else ""  # a composed target: port / reference
             pts_html.append(f"<tr class='{'bad' if r['status'] == 'fail' else ''}'><td>{esc(_loc(r))}{pv}</td>"
-                            f"<td>{r['status']}</td><td>{r.get('max_ulp', '-')}</td><td>{_fmt(r.get('rel_l2'))}</td>"
+                            f"<td>{r['status']}</td><td>{esc(ulps(r))}</td><td>{_fmt(r.get('rel_l2'))}</td>"
                             f"<td>{esc(str(r.get('worst_index', '')))}</td><td>{_fmt(r.get('worst_ref'), '.6g')}</td>"
                             f"<td>{_fmt(r.get('worst_test'), '.6g')}</td></tr>")
     style = ("body{font-family:system-ui,sans-serif;margin:24px;color:#222}table{border-collapse:collapse;"
@@ -446,7 +516,7 @@ def html_page(report: dict) -> str:
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>ling3-parity {verdict}</title>"
             f"<style>{style}</style></head><body>{head}<h2>Error growth</h2>{_svg_plot(layer_table(report))}"
             "<h2>Per layer</h2><table><tr><th></th><th>phase</th><th>step</th><th>layer</th><th>points</th>"
-            "<th>fail</th><th>benign</th><th>max ULP</th><th>max rel-L2</th><th>first failing site</th></tr>"
+            "<th>fail</th><th>benign</th><th>max |Δ|/RMS</th><th>max rel-L2</th><th>first failing site</th></tr>"
             + "".join(rows_html) + "</table><h2>Failing, benign and missing points</h2><table><tr><th>point</th>"
             "<th>status</th><th>max ULP</th><th>rel-L2</th><th>worst index</th><th>ref</th><th>test</th></tr>"
             + ("".join(pts_html) or "<tr><td colspan=7>none</td></tr>") + "</table></body></html>\n")
@@ -485,8 +555,7 @@ def diff_reports(a: dict, b: dict) -> str:
         if ra is None or rb is None:
             changed.append(f"  {_loc(ra or rb)}: only in {'after' if ra is None else 'before'}")
         elif ra.get("status") != rb.get("status") or ra.get("max_ulp") != rb.get("max_ulp"):
-            changed.append(f"  {_loc(ra)}: {ra.get('status')} {ra.get('max_ulp')} ULP -> "
-                           f"{rb.get('status')} {rb.get('max_ulp')} ULP")
+            changed.append(f"  {_loc(ra)}: {ra.get('status')} {ulps(ra)} -> {rb.get('status')} {ulps(rb)}")
     lines.append(f"{len(changed)} point(s) changed")
     return "\n".join(lines + changed)
 

@@ -214,6 +214,9 @@ def pytest_command(report: dict, point: Point | None = None) -> str:
         parts.append(f"--parity-mode {q(report['mode'])}")
     if (report.get("semantics") or {}).get("replayed_with") == "intended":
         parts.append("--parity-semantics intended")
+    policy = ((report.get("replay_env") or {}).get("matmul_precision") or {})  # issue 31: a chosen precision
+    if policy.get("source") == "--parity-matmul-precision":
+        parts.append(f"--parity-matmul-precision {q(policy['policy'])}")
     tol = report.get("tolerances") or {}
     if tol.get("file"):
         parts.append(f"--parity-tolerances {q(tol['file'])}")

@@ -676,6 +676,84 @@ VARIANT_PLANTS: dict[str, Mutation] = {m.name: m for m in [
 PLANT_OF_VARIANT = {"rmsnorm-single-rounding": "rmsnorm_fused_scale"}
 
 
+# ------------------------------------------------------------------------------------------------ dot precision (issue 31)
+# TPU runs an fp32 dot written without `precision=` at JAX's default matmul precision: one bf16 pass (each fp32
+# operand rounded to bf16, products accumulated in fp32). XLA:CPU ignores the setting (measured: jax 0.10.2, an fp32
+# einsum under `jax.default_matmul_precision('bfloat16')` gives the same bits as under 'highest'), so on CPU the pass
+# is emulated by rounding the operands. `effective_matmul_precision` is what a port's dots get: the context
+# `jax.default_matmul_precision(...)` in force at trace time (the replay sets it per dump, `--parity-matmul-precision`).
+ONE_BF16_PASS = (None, "default", "bfloat16", "fastest")  # precisions a TPU runs as one bf16 pass
+
+
+def effective_matmul_precision() -> str | None:
+    """JAX's `jax_default_matmul_precision` in force now (thread-local context or process config), lower-case."""
+    import jax
+
+    p = jax.config.jax_default_matmul_precision
+    return None if p is None else str(p).lower()
+
+
+class _BF16PassJnp:
+    """Stands in for `jax.numpy` in the reference's modules that hold dots (kda, moe, ops): `einsum` / `matmul`
+    round every fp32 operand to bf16 before an fp32-accumulating dot when `rounds()` says so at trace time, and
+    ignore the `precision=` the reference passes (they model a port written without one, which the config then
+    governs); everything else is jax.numpy's."""
+
+    def __init__(self, rounds: Callable[[], bool]) -> None:
+        import jax.numpy as jnp
+
+        self._jnp = jnp
+        self._rounds = rounds
+
+    def _operands(self, ops):
+        jnp = self._jnp
+        if not self._rounds():
+            return ops
+        return tuple(o.astype(jnp.bfloat16).astype(jnp.float32) if getattr(o, "dtype", None) == jnp.float32 else o
+                     for o in ops)
+
+    def einsum(self, subscripts, *operands, precision=None, **kw):
+        import jax
+
+        return self._jnp.einsum(subscripts, *self._operands(operands), precision=jax.lax.Precision.HIGHEST, **kw)
+
+    def matmul(self, a, b, *, precision=None, **kw):
+        import jax
+
+        a, b = self._operands((a, b))
+        return self._jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._jnp, name)
+
+
+def bf16_pass_dot_patches(rounds: Callable[[], bool]) -> dict:
+    """{(module, "jnp"): _BF16PassJnp(rounds)} for every reference module whose functions hold a dot (`ops.dot_f32`
+    / `matmul_f32` serve mla, the linears and the LM head; kda and moe call einsum / matmul themselves)."""
+    from parity.jax_ling3 import kda, moe, ops
+
+    proxy = _BF16PassJnp(rounds)
+    return {(kda, "jnp"): proxy, (moe, "jnp"): proxy, (ops, "jnp"): proxy}
+
+
+def _tpu_default_rounds() -> bool:
+    return effective_matmul_precision() in ONE_BF16_PASS
+
+
+DOT_PRECISION_PLANTS: dict[str, Mutation] = {m.name: m for m in [
+    Mutation("tpu_default_dot_precision", "a correct port on TPU at JAX's default matmul precision: every fp32 dot "
+             "written without precision= runs one bf16 pass (operands rounded to bf16, fp32 accumulation) unless "
+             "jax.default_matmul_precision('high'/'highest') is in force (then exact here) → the first dot with an "
+             "fp32 operand: attention.q_proj of layer 0 on an fp32 dump", "tiny",
+             _pre("attention.q_proj", lambda cfg: 0), lambda: bf16_pass_dot_patches(_tpu_default_rounds),
+             cls="precision"),
+    # the dot-precision shadow's configuration (parity.replay.dot_precision): one bf16 pass whatever the policy
+    Mutation("dots_one_bf16_pass", "the reference with every fp32 dot operand rounded to bf16 (one bf16 pass), "
+             "whatever precision is in force: the dot-precision shadow", "tiny",
+             _pre("attention.q_proj", lambda cfg: 0), lambda: bf16_pass_dot_patches(lambda: True), cls="precision"),
+]}
+
+
 # ------------------------------------------------------------------------------------------------ backward-only bugs
 # Issue 26: bugs that move no forward bit and train wrong. Each is forward bit-identical *by construction*: the
 # replacement is `jax.lax.stop_gradient` (identity in the forward) or a `custom_vjp` identity whose forward returns
@@ -858,7 +936,7 @@ class MutantTarget(ReferenceTarget):
 
     def __init__(self, mutation: str, *, ckpt_dir: str | Path | None = None, **kw) -> None:
         super().__init__(**kw)
-        known = {**MUTATIONS, **VARIANT_PLANTS, **BACKWARD_MUTATIONS}
+        known = {**MUTATIONS, **VARIANT_PLANTS, **BACKWARD_MUTATIONS, **DOT_PRECISION_PLANTS}
         if mutation not in known:
             raise ValueError(f"unknown mutation {mutation!r}: expected one of {sorted(known)}")
         self.mutation = known[mutation]
@@ -950,5 +1028,48 @@ class PlantedFusedScaleNorm(MutantTarget):
     def __init__(self, **kw) -> None:
         super().__init__("rmsnorm_fused_scale", **kw)
 
+class PlantedTpuDefaultPrecision(MutantTarget):
+    """A correct port as TPU runs it at JAX's default matmul precision (`DOT_PRECISION_PLANTS`): its fp32 dots take
+    one bf16 pass unless `jax.default_matmul_precision('high'|'highest')` is in force when it is traced. Constructible
+    without arguments: `--parity-target parity.targets.mutants:PlantedTpuDefaultPrecision`. The layers and the LM
+    head honour the policy; one jit per precision, because the compiled-executable cache
+    (`reference.compiled_call`) is keyed on the jitted function."""
 
-__all__ = ["BACKWARD_MUTATIONS", "Expected", "Mutation", "MUTATIONS", "MutantTarget", "PlantedFusedScaleNorm", "VARIANT_PLANTS", "patched"]
+    def __init__(self, mutation: str = "tpu_default_dot_precision", **kw) -> None:
+        super().__init__(mutation, **kw)
+        self._jits: dict = {}
+
+    def _layer_fn(self):
+        import jax
+
+        from parity.jax_ling3 import REFERENCE_COMPILER_OPTIONS
+
+        key = ("layer", effective_matmul_precision())
+        if key not in self._jits:
+            self._jits[key] = jax.jit(self._layer_pure_fn(), static_argnames=("spec",),
+                                      compiler_options=REFERENCE_COMPILER_OPTIONS)
+        return self._jits[key]
+
+    def head(self, hidden: np.ndarray) -> dict[str, np.ndarray]:
+        import jax
+        import jax.numpy as jnp
+
+        from parity.jax_ling3 import REFERENCE_COMPILER_OPTIONS, model
+        from parity.jax_ling3.spec import dtype_of
+
+        if "head" not in self._jits:
+            patches = self.mutation.patches()
+
+            def mutated_head(w, lm, h, eps):  # fresh object: no trace of the reference's head_jit is reused
+                with patched(patches):
+                    return model.head(w, lm, h, eps)
+
+            self._jits["head"] = jax.jit(mutated_head, static_argnames=("eps",),
+                                         compiler_options=REFERENCE_COMPILER_OPTIONS)
+        out = self._jits["head"](self.globals["final_norm"], self.globals["lm_head"],
+                                 jnp.asarray(hidden, dtype_of(self.dtype)), eps=float(self.cfg.rms_norm_eps))
+        return {k: np.asarray(v) for k, v in out.items()}
+
+
+__all__ = ["BACKWARD_MUTATIONS", "DOT_PRECISION_PLANTS", "Expected", "Mutation", "MUTATIONS", "MutantTarget", "PlantedFusedScaleNorm", "PlantedTpuDefaultPrecision",
+           "VARIANT_PLANTS", "bf16_pass_dot_patches", "effective_matmul_precision", "patched"]

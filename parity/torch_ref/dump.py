@@ -30,7 +30,7 @@ from parity.torch_ref import fla_cpu
 from parity.torch_ref.backward import (CotangentRecorder, grad_point, hf_param_grads, lift_no_grad_methods, loss_record,
                                        next_token_ce)
 from parity.torch_ref.capture import Capture, runtime_map_name, to_numpy
-from parity.torch_ref.kernels import KernelObserver, fp32_matmul_policy, kernels_record
+from parity.torch_ref.kernels import KernelObserver, bf16_gemm_policy, fp32_matmul_policy, kernels_record
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -40,6 +40,8 @@ class DumpOptions:
     runtime: str = "remote"  # "remote" | "native"
     cpu_kernels: bool | None = None  # fla CPU stand-ins (None: where fla's real kernels cannot run, kernels.py)
     allow_tf32: bool = False  # fp32 on CUDA: keep TF32 dots allowed instead of forcing IEEE fp32 (recorded)
+    # on CUDA: keep torch's reduced-precision reductions in bf16 GEMMs allowed instead of turning them off (recorded)
+    allow_bf16_reduced_precision_reduction: bool = False
     device: str = "cpu"  # "cpu" | "cuda" | "auto" (device_map=auto for models larger than one GPU)
     dtype: str = "bfloat16"
     layers: Sequence[int] | None = None
@@ -439,6 +441,7 @@ def dump_checkpoint(
     # fp32 matmul policy before the load (Triton reads its fp32 default when a kernel compiles); restored at the end
     stack = ExitStack()
     fp32 = stack.enter_context(fp32_matmul_policy(DTYPES[opts.dtype], opts.device, opts.allow_tf32))
+    bf16_gemm = stack.enter_context(bf16_gemm_policy(opts.device, opts.allow_bf16_reduced_precision_reduction))
     stack.enter_context(fla_cpu.chunk_precision(opts.kda_chunk_precision))  # the stand-ins' mode, restored at the end
     try:
         loaded = load_model(ckpt_dir, opts.runtime, dtype=DTYPES[opts.dtype], device=opts.device,
@@ -590,7 +593,8 @@ def dump_checkpoint(
                 raise
             if background:
                 background.close()  # the remaining points are written; a write error is raised here
-            kernels = kernels_record(paths=observer.paths, choice=loaded.kernels_choice, device=device, fp32=fp32)
+            kernels = kernels_record(paths=observer.paths, choice=loaded.kernels_choice, device=device, fp32=fp32,
+                                     bf16_gemm=bf16_gemm)
             writer.set_meta("kernels", kernels)
             chunk_impl = observer.paths.get("chunk_kda")
             if semantics is not None and chunk_impl is not None:  # the chunk path ran: record what ran on it

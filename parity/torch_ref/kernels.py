@@ -145,6 +145,40 @@ def fp32_matmul_policy(compute_dtype: torch.dtype, device: str, allow_tf32: bool
             _apply(before)
 
 
+# ----------------------------------------------------------------------------------------------- bf16 GEMMs
+def bf16_reduction_setting() -> bool | None:
+    """torch's `allow_bf16_reduced_precision_reduction` now (None where this torch has no such flag)."""
+    return getattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", None)
+
+
+@contextmanager
+def bf16_gemm_policy(device: str, allow_reduced: bool) -> Iterator[dict[str, Any]]:
+    """Within the block: bf16 GEMMs on CUDA reduce in full fp32 — torch's
+    `backends.cuda.matmul.allow_bf16_reduced_precision_reduction` off (cuBLAS may otherwise use reduced-precision
+    reductions for bf16 GEMMs, which the CPU reference never does) — unless `allow_reduced`
+    (`--allow-bf16-reduced-precision-reduction`); elsewhere as found. Yields the record (the kernels attr's
+    `bf16_gemm`); restores the previous setting on exit."""
+    before = bf16_reduction_setting()
+    on_cuda = str(device).startswith("cuda") or str(device) == "auto"
+    force = on_cuda and not allow_reduced and before is not None
+    if force:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    if before is None:
+        policy = "not settable in this torch, as found"
+    elif not on_cuda:
+        policy = "moot: no CUDA device, as found"
+    elif allow_reduced:
+        policy = "reduced-precision reductions allowed (--allow-bf16-reduced-precision-reduction), as found"
+    else:
+        policy = "full fp32 reductions forced (allow_bf16_reduced_precision_reduction off)"
+    try:
+        yield {"allow_bf16_reduced_precision_reduction": bf16_reduction_setting(), "policy": policy,
+               "allow_option": bool(allow_reduced)}
+    finally:
+        if force:
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = before
+
+
 # ----------------------------------------------------------------------------------------------- observer
 def kernel_binding(fn: Any) -> str | None:
     """Module of the implementation a transformers `use_kernel_func_from_hub_with_fallback` wrapper bound to."""
@@ -260,7 +294,7 @@ def triton_fp32_dot_default() -> str | None:
 
 
 def kernels_record(*, paths: dict[str, str], choice: tuple[bool, str] | None, device: torch.device,
-                   fp32: dict[str, Any]) -> dict[str, Any]:
+                   fp32: dict[str, Any], bf16_gemm: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `kernels` root attr: observed KDA paths, the stand-in choice and why (`LoadedModel.kernels_choice`; None
     for the native runtime), versions, interpreter, device, fp32 matmul settings."""
     fla_installed = installed_version("fla-core")
@@ -276,8 +310,11 @@ def kernels_record(*, paths: dict[str, str], choice: tuple[bool, str] | None, de
         **device_record(device),
         # as in force now, at the end of the dump (the runtime may have changed them since the policy was applied)
         "fp32_matmul": {**fp32, **fp32_matmul_settings(), "triton_fp32_dot_default": triton_fp32_dot_default()},
+        # issue 31: cuBLAS bf16 GEMM reductions (as in force now, beside the policy applied)
+        **({} if bf16_gemm is None else {"bf16_gemm": {**bf16_gemm, "allow_bf16_reduced_precision_reduction":
+                                                       bf16_reduction_setting()}}),
     }
 
 
-__all__ = ["choose_cpu_kernels", "real_kernels_runnable", "fp32_matmul_settings", "fp32_matmul_policy",
+__all__ = ["bf16_gemm_policy", "bf16_reduction_setting", "choose_cpu_kernels", "real_kernels_runnable", "fp32_matmul_settings", "fp32_matmul_policy",
            "KernelObserver", "implementation_of", "kernel_binding", "kernels_record", "device_record", "installed_version"]
