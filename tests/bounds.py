@@ -12,7 +12,7 @@ A bound here is one of:
 
 Bound values are floats (a `Bound` *is* its value), so tests compare against them directly. With
 `LING3_PARITY_BOUNDS_LOG=<file>` set, every comparison `x <= BOUND` (any of <, <=, >, >=, either side) appends the
-observed `x` to that file as a JSON line: `python tools/bounds_report.py <file>` prints the largest value per bound,
+observed `x` to that file as a JSON line: `python tests/bounds.py <file>...` prints the largest passing value per bound,
 which is how `measured` below was filled in (command and machine in each `measured_on`).
 
 A float literal used as a tolerance anywhere else in tests/ fails `tests/test_bounds_headroom.py`'s scan unless its
@@ -47,12 +47,13 @@ class Bound(float):
     kind: str
 
     def __new__(cls, name: str, value: float, *, measured: float | None, measured_on: tuple[str, ...], why: str,
-                kind: str = "measured") -> "Bound":
+                kind: str = "measured", register: bool = True) -> "Bound":
         if kind not in ("measured", "fp64-relative", "exact"):
             raise ValueError(f"tests/bounds.py: {name}: kind {kind!r}, expected measured | fp64-relative | exact")
         b = super().__new__(cls, value)
         b.name, b.measured, b.measured_on, b.why, b.kind = name, measured, tuple(measured_on), why, kind
-        REGISTRY[name] = b
+        if register:
+            REGISTRY[name] = b
         return b
 
     @property
@@ -105,6 +106,54 @@ def headroom_problems(bounds=None, minimum: float = MIN_HEADROOM) -> list[str]:
     return out
 
 
+class AllClose:
+    """An elementwise tolerance |actual - expected| <= atol + rtol·|expected| (numpy's allclose), checked by
+    `check`, which also logs its *usage* max(|actual - expected| / (atol + rtol·|expected|)) with the bounds log:
+    `measured` is the largest usage seen, so the headroom is 1 / measured."""
+
+    def __init__(self, name: str, *, rtol: float, atol: float, measured: float | None, measured_on: tuple[str, ...],
+                 why: str, kind: str = "measured"):
+        if kind not in ("measured", "fp64-relative", "exact"):
+            raise ValueError(f"tests/bounds.py: {name}: kind {kind!r}, expected measured | fp64-relative | exact")
+        self.name, self.rtol, self.atol = name, float(rtol), float(atol)
+        self.measured, self.measured_on, self.why, self.kind = measured, tuple(measured_on), why, kind
+        REGISTRY[name] = self
+
+    headroom = Bound.headroom
+    __float__ = lambda self: 1.0  # noqa: E731  (a usage of 1 is the bound: headroom = 1 / measured)
+
+    def usage(self, actual, expected) -> float:
+        a, e = _f64(actual), _f64(expected)
+        if e.ndim and a.shape != e.shape:
+            raise AssertionError(f"{self.name}: shapes differ, actual {a.shape} vs expected {e.shape}")
+        allowed = self.atol + self.rtol * abs(e)
+        d = abs(a - e)
+        if not (d[allowed == 0] == 0).all():
+            return float("inf")
+        return float((d[allowed > 0] / allowed[allowed > 0]).max(initial=0.0))
+
+    def check(self, actual, expected, what: str = "") -> None:
+        """AssertionError naming the bound, the worst element and its usage when any element is outside it."""
+        import numpy as np
+
+        u = self.usage(actual, expected)
+        Bound._seen(self, u)  # type: ignore[arg-type]  (logs under this name)
+        if not u <= 1.0:
+            a, e = _f64(actual), _f64(expected)
+            a, e = np.broadcast_arrays(a, e)
+            i = np.unravel_index(np.argmax(abs(a - e) - self.rtol * abs(e)), e.shape) if e.ndim else ()
+            raise AssertionError(f"{what or self.name}: outside {self.name} (rtol {self.rtol:g}, atol {self.atol:g}): "
+                                 f"usage {u:.3g}, worst at {tuple(int(j) for j in i)}: {a[i]!r} vs {e[i]!r}")
+
+
+def _f64(x):
+    import numpy as np
+
+    if hasattr(x, "detach"):  # torch
+        x = x.detach().cpu().double().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
 # --------------------------------------------------------------------------------------------- the bounds
 # fp64 evaluations of two codes of the same maths (test_backward_dump.py): exact maths, float64 both sides.
 FP64_SAME_MATHS_REL = Bound(
@@ -128,3 +177,186 @@ KDA_FP32_NOISE_MULTIPLE_CHUNK = Bound(
     why="the chunked form (within-chunk cumulative decays, a triangular solve) loses more in fp32 than the naive "
         "recurrence: its error against the float64 naive is 7-47x the naive fp32's over seeds 0-4, T=100 and 128 "
         "(16.5 for the test's seed 0 with AVX2 caps); a precision bug (one bf16 rounding) gives > 1000x")
+
+
+# --------------------------------------------------------------------------------------------- the scan
+EXEMPT_MARK = "# not-a-bound:"
+TOL_KEYWORDS = frozenset({"atol", "rtol", "rel_tol", "abs_tol", "rel", "abs", "tol"})
+_LESS, _MORE = frozenset({"<", "<="}), frozenset({">", ">="})
+
+
+def literal_tolerances(source: str) -> list[tuple[int, str]]:
+    """(line number, line) of each float literal used as a tolerance in `source`: the value of a tolerance keyword
+    (atol=, rtol=, rel=, tol=, ...), any argument of assert_rel / assert_rel_close,
+    the right side of < / <= or the left side of > / >= (an upper bound), or a
+    module-level UPPER_CASE constant. Lines carrying `# not-a-bound: <reason>` are left out."""
+    import io
+    import re
+    import tokenize
+
+    lines = source.splitlines()
+    toks = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
+            if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)]
+    out = []
+    for i, t in enumerate(toks):
+        if t.type != tokenize.NUMBER or not re.search(r"[.eE]", t.string) or t.string.lower().startswith("0x"):
+            continue
+        prev = toks[i - 1] if i else None
+        prev2 = toks[i - 2] if i > 1 else None
+        nxt = toks[i + 1] if i + 1 < len(toks) else None
+        if prev is not None and prev.string == "-":  # a negative literal: look past the sign
+            prev, prev2 = prev2, toks[i - 3] if i > 2 else None
+        keyword = prev is not None and prev.string == "=" and prev2 is not None and prev2.type == tokenize.NAME and (
+            prev2.string in TOL_KEYWORDS or (prev2.start[1] == 0 and re.fullmatch(r"_?[A-Z][A-Z0-9_]*", prev2.string)))
+        compared = (prev is not None and prev.string in _LESS) or (nxt is not None and nxt.string in _MORE)
+        if not (keyword or compared or _CLOSE_CALL.search(_enclosing_call(toks, i))):
+            continue
+        line = lines[t.start[0] - 1]
+        mark = line.find(EXEMPT_MARK)
+        if mark >= 0 and line[mark + len(EXEMPT_MARK):].strip():
+            continue
+        out.append((t.start[0], line.strip()))
+    return out
+
+
+_CLOSE_CALL = __import__("re").compile(r"^assert_rel")  # their positional tolerance
+
+
+def _enclosing_call(toks, i: int) -> str:
+    """The name of the call whose parentheses hold token i ("" when none)."""
+    depth = 0
+    for j in range(i - 1, 0, -1):
+        t = toks[j].string
+        if t in ")]}":
+            depth += 1
+        elif t in "([{":
+            if depth == 0:
+                return toks[j - 1].string if t == "(" and toks[j - 1].type == 1 else ""  # 1: tokenize.NAME
+            depth -= 1
+    return ""
+
+
+# --------------------------------------------------------------------------------------------- the bounds (2)
+# `measured`: the largest passing value logged (`python tests/bounds.py LOG`) over the run named in
+# `measured_on` (XEON: `LING3_PARITY_BOUNDS_LOG=... pytest <the files using it>`; XEON_AVX2: the same with
+# LING3_PARITY_CPU_ISA=AVX2). None until measured (the headroom test then names it).
+def _m(name: str, value: float, why: str, kind: str = "measured") -> Bound:
+    return Bound(name, value, measured=MEASURED.get(name), measured_on=MEASURED_ON.get(name, ()), why=why, kind=kind)
+
+
+def _c(name: str, rtol: float, atol: float, why: str, kind: str = "measured") -> AllClose:
+    return AllClose(name, rtol=rtol, atol=atol, measured=MEASURED.get(name), measured_on=MEASURED_ON.get(name, ()),
+                    why=why, kind=kind)
+
+
+MEASURED: dict[str, float] = {}
+MEASURED_ON: dict[str, tuple[str, ...]] = {}
+
+FP32_LOSS_REL = _m("FP32_LOSS_REL", 1e-5, "the fp32 scalar loss of a forward-identical mutant vs the fp64 built-in's")
+TWIN_GRAD_FP32_NOISE_MULTIPLE = _m(
+    "TWIN_GRAD_FP32_NOISE_MULTIPLE", 8.0, kind="fp64-relative",
+    why="twin's fp32 gradient error against the float64 built-in, as a multiple of the built-in's own fp32 error "
+        "against it (the noise floor of the same maths): two summation orders' errors, whose ratio was measured up "
+        "to 2.1 (3 before issue 35: x1.4 headroom); the backward-only mutants move gradients by O(1), >> 8 x 1e-5 "
+        "(test_builtin_comparison_detects_a_backward_only_bug runs at this multiple)")
+GRAD_FP32_RUNTIMES_REL = _m(
+    "GRAD_FP32_RUNTIMES_REL", 2e-3,
+    "weight gradients of two fp32 runtimes (official file / built-in vs twin) of the same maths: max-abs relative")
+FP64_STAT_REL = _m("FP64_STAT_REL", 1e-12, kind="exact",
+                   why="a float64 statistic recomputed by numpy over <= 1e4 values: n·u = 1e4 · 1.1e-16 ~ 1e-12")
+BACKWARD_REPLAY_REL = _m("BACKWARD_REPLAY_REL", 1e-5,
+                         "JAX VJP of a layer vs the fp32 twin's autograd, rel-L2 (non-KDA layers and head)")
+BACKWARD_REPLAY_REL_KDA = _m("BACKWARD_REPLAY_REL_KDA", 1e-4,
+                             "JAX VJP of a KDA layer vs the fp32 twin's autograd, rel-L2 (chunked form in both)")
+BACKWARD_REPLAY_LOSS_REL = _m("BACKWARD_REPLAY_LOSS_REL", 1e-6, "JAX head loss vs the twin's, fp32 scalar")
+DUMP_RUNTIMES_REL_L2 = _m("DUMP_RUNTIMES_REL_L2", 2e-5,
+                          "dumps of the same fp32 model by two runtimes: worst point rel-L2")
+OFFICIAL_STREAM_REL_L2 = _m("OFFICIAL_STREAM_REL_L2", 2e-5,
+                            "official file vs twin, fp32: residual stream / logits points, rel-L2")
+OFFICIAL_POINT_REL_L2 = _m("OFFICIAL_POINT_REL_L2", 1e-4, "official file vs twin, fp32: any point, rel-L2")
+FLA_CPU_REL_L2 = _m("FLA_CPU_REL_L2", 1e-5, "the CPU stand-ins of fla's kernels vs fla's naive torch KDA, fp32 rel-L2")
+FLA_INTERP_GRAD_REL_L2 = Bound(
+    "FLA_INTERP_GRAD_REL_L2", 1e-4, measured=8.4e-6, measured_on=(XEON_OLD,),
+    why="fla's chunk_kda backward under the Triton interpreter vs the stand-ins' autograd, fp32 rel-L2 per input "
+        "(test_fla_interpreter.py's comment: 2026-11-26, triton 3.9.0, fla 0.6.0; the test needs fla + triton)")
+JAX_KDA_CHUNK_VS_RECURRENT_REL = _m(
+    "JAX_KDA_CHUNK_VS_RECURRENT_REL", 1e-5, "JAX chunked KDA (WY form) vs recurrent / fla naive, fp32, max-abs relative")
+JAX_FP32_OP_REL = _m("JAX_FP32_OP_REL", 1e-6,
+                     "a small fp32 JAX op (gate, conv, l2norm, router, weights) vs a float64 or same-order reference")
+JAX_FP32_BLOCK_REL = _m("JAX_FP32_BLOCK_REL", 1e-5,
+                        "an fp32 JAX block (MLA core, RoPE, MoE sums) vs an independent fp32/float64 reference")
+JAX_ROPE_DOT_REL = _m("JAX_ROPE_DOT_REL", 1e-4, "rotated q·k dot products (sums of 64 fp32 products), max-abs rel")
+JAX_MODEL_REL = _m("JAX_MODEL_REL", 1e-4, "JAX model logits vs the twin, fp32, max-abs relative")
+JAX_MODEL_BUILTIN_REL = _m("JAX_MODEL_BUILTIN_REL", 2e-4, "JAX model logits vs transformers' built-in, fp32")
+LOADER_REL_L2 = _m("LOADER_REL_L2", 1e-5, "twin loaded with fla stand-ins vs transformers' built-in, fp32 rel-L2")
+TWIN_REL_L2 = _m("TWIN_REL_L2", 1e-5, "twin vs transformers' built-in modules, fp32 rel-L2")
+TWIN_LOGIT_ABS = _m("TWIN_LOGIT_ABS", 1e-4, "twin vs built-in logits, fp32, max |diff| (T=70: chunked vs recurrent)")
+PREFIX_GAP = _m("PREFIX_GAP", 1e-4, "logits of a prefix run alone vs inside a longer causal run, fp32 max |diff|")
+SEMANTICS_DUMP_REL_L2 = _m("SEMANTICS_DUMP_REL_L2", 1e-4,
+                           "the JAX reference under a dump's semantics vs the dump, fp32 attention.core rel-L2")
+SWIGLU_CLAMP_PROBE_REL = _m("SWIGLU_CLAMP_PROBE_REL", 1e-2,
+                            "the clamp probe's module output vs the clamped reference (bf16 module)")
+SGLANG_GATE_REL_L2 = _m("SGLANG_GATE_REL_L2", 1e-4, "the sglang-jax port's KDA gate vs the Kimi formula, rel-L2")
+TAPS_O_NORM_ABS = _m("TAPS_O_NORM_ABS", 0.0079, "attention.o_norm of the reference under its own XLA flags vs the "
+                     "dump, max |diff| (bf16 values: ~1 bf16 ULP at |x| ~ 1)")
+KDA_BF16_STATE_REL_L2 = _m("KDA_BF16_STATE_REL_L2", 1e-5,
+                           "final KDA state of the JAX bf16-rounded chunk vs the torch stand-in, rel-L2")
+KDA_BF16_O_FRACTION = _m("KDA_BF16_O_FRACTION", 0.01,
+                         "fraction of o's bf16 elements that differ, JAX bf16-rounded chunk vs torch stand-in")
+MOE_BLOCKED_BF16_FRACTION = _m("MOE_BLOCKED_BF16_FRACTION", 0.005,
+                               "fraction of bf16 elements that differ, blocked XLA MoE vs float64-accumulating numpy")
+MOE_BF16_FLIP_FRACTION = _m("MOE_BF16_FLIP_FRACTION", 0.01, "fraction of bf16 elements that flip, fast vs dense MoE")
+MOE_BF16_FLIP_ULPS = _m("MOE_BF16_FLIP_ULPS", 1.0, "largest flip in bf16 ULPs, fast vs dense MoE")
+JAX_SOLVE_RESIDUAL_ABS = _m("JAX_SOLVE_RESIDUAL_ABS", 2e-4, "unit-lower solve: |M X - R| with X in fp32")
+DECODE_STEPS_VS_PREFILL = _c("DECODE_STEPS_VS_PREFILL", 1e-5, 1e-5,
+                             "logits of token-by-token decode vs one prefill, fp32 (another summation order)")
+REPAIRED_LOGITS = _c("REPAIRED_LOGITS", 1e-6, 1e-6, "logits of a repaired-inv_freq model vs the twin's own, fp32")
+ROPE_INV_FREQ_FP32 = _c("ROPE_INV_FREQ_FP32", 1e-6, 0.0, kind="exact",
+                        why="fp32 inv_freq θ^(-2j/d) vs float64: a few fp32 roundings, <= 16 u = 1e-6")
+FP32_FORMULA_VS_FP64 = _c("FP32_FORMULA_VS_FP64", 1e-6, 1e-7,
+                          "an fp32 elementwise formula (l2norm, sigmoid, a short sum) vs float64 of the same formula")
+FP32_GATE_VS_FP64 = _c("FP32_GATE_VS_FP64", 2e-6, 1e-6, "the fp32 KDA gate (exp, softplus/sigmoid) vs float64")
+FP32_OP_VS_FP64 = _c("FP32_OP_VS_FP64", 1e-6, 1e-6, "a small fp32 op (short conv, gated RMSNorm) vs float64")
+FP32_REORDERED = _c("FP32_REORDERED", 1e-6, 1e-6,
+                    "the same fp32 maths in another memory layout / packing / step split (summation order only)")
+FP32_MATRIX_OP = _c("FP32_MATRIX_OP", 1e-6, 0.0, "fp32 JAX forward of a tiny x @ W + tanh(x) vs numpy")
+FP32_TOY_VJP = _c("FP32_TOY_VJP", 1e-5, 1e-6, "fp32 JAX VJP of a tiny layer vs its closed form in numpy")
+TWIN_KDA_VS_FLA_NAIVE = _c("TWIN_KDA_VS_FLA_NAIVE", 0.0, 5e-6, "the twin's KDA vs fla's naive KDA, fp32, |diff|")
+MLA_CORE_VS_DEEPSEEK = _c("MLA_CORE_VS_DEEPSEEK", 0.0, 2e-6, "twin MLA core vs transformers' deepseek_v3, fp32")
+ROUTER_VS_DEEPSEEK = _c("ROUTER_VS_DEEPSEEK", 0.0, 1e-6, "twin router weights/logits vs deepseek_v3's, fp32")
+BF16_ONE_ROUNDING = _c("BF16_ONE_ROUNDING", 2.0 ** -8, 1e-6, kind="exact",
+                       why="a value accurate to fp32, rounded once to bf16: within half a bf16 ULP, <= 2^-8 relative")
+FP64_SPECIAL_REL = _m("FP64_SPECIAL_REL", 1e-9, kind="exact",
+                      why="float64 special functions (lgamma, log1p, pow) or norms of 1e3-1e4 values vs numpy: a few "
+                          "hundred float64 roundings at most, ~1e-13; 1e-9 leaves room for library differences")
+CLAMP_VS_FP64 = _c("CLAMP_VS_FP64", 1e-5, 1e-5, "clamped SwiGLU (fp32 torch) vs numpy float64, scaled by max|want|")
+
+
+def largest_passing(log_lines) -> dict[str, tuple[float, int, int]]:
+    """{bound: (largest observed value that passed, passing count, failing count)} from bounds-log lines. A failing
+    value is a failed test or a planted bug a detection test expects to exceed the bound: not a measurement."""
+    out: dict[str, tuple[float, int, int]] = {}
+    for line in log_lines:
+        r = json.loads(line)
+        top, ok, bad = out.get(r["bound"], (0.0, 0, 0))
+        if r["observed"] <= r["value"]:
+            out[r["bound"]] = (max(top, r["observed"]), ok + 1, bad)
+        else:
+            out[r["bound"]] = (top, ok, bad + 1)
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    # python tests/bounds.py LOG... : the largest passing value of each bound, its headroom, and the bounds never
+    # compared in that run (their tests did not run, or compare numpy scalars, which the log cannot see)
+    lines = [ln for path in sys.argv[1:] for ln in open(path)]
+    seen = largest_passing(lines)
+    for name in sorted(set(REGISTRY) - set(seen)):
+        print(f"{name:36s} not compared in this log")
+    for name, (top, ok, bad) in sorted(seen.items()):
+        b = REGISTRY.get(name)
+        room = float(b) / top if b is not None and top else float("inf")
+        print(f"{name:36s} value {float(b) if b is not None else float('nan'):<10.3g} largest passing {top:<10.3g} "
+              f"headroom x{room:<8.1f} ({ok} passing, {bad} above)")
