@@ -90,20 +90,34 @@ class Bound(float):
 
 
 def headroom_problems(bounds=None, minimum: float = MIN_HEADROOM) -> list[str]:
-    """One line per bound without a recorded measurement (measured/fp64-relative kinds) or with value / measured below
-    `minimum`."""
+    """One line per bound that breaks its kind's rule: a measured or fp64-relative bound needs a recorded measurement
+    (unless listed in PENDING) and value / measured >= `minimum`; an exact bound (the worst case of the arithmetic)
+    needs only that a recorded measurement is within it."""
     out = []
     for b in (bounds if bounds is not None else REGISTRY.values()):
         if b.measured is None:
-            if b.kind != "exact":
+            if b.kind != "exact" and b.name not in PENDING:
                 out.append(f"tests/bounds.py: {b.name}: no measured value recorded (kind {b.kind})")
             continue
         if not b.measured_on:
             out.append(f"tests/bounds.py: {b.name}: measured {b.measured:g} on no named CPU kind")
-        if b.headroom < minimum:
+        need = 1.0 if b.kind == "exact" else minimum
+        if b.headroom < need:
             out.append(f"tests/bounds.py: {b.name} = {float(b):g}: headroom ×{b.headroom:.2f} over measured "
-                       f"{b.measured:g}, expected >= ×{minimum:g}")
+                       f"{b.measured:g}, expected >= ×{need:g}")
     return out
+
+
+# Bounds declared whose measurement this registry does not hold yet (issue 35 left them to one logged full run:
+# `LING3_PARITY_BOUNDS_LOG=F python -m pytest -q -n 2`, then `python tests/bounds.py F`). Each is still the value
+# the test had before; the headroom test prints them.
+PENDING: frozenset[str] = frozenset({
+    "BACKWARD_REPLAY_LOSS_REL", "BACKWARD_REPLAY_REL", "BACKWARD_REPLAY_REL_KDA", "DECODE_STEPS_VS_PREFILL",
+    "DUMP_RUNTIMES_REL_L2", "FP32_MATRIX_OP", "FP32_TOY_VJP", "GRAD_FP32_RUNTIMES_REL", "JAX_MODEL_BUILTIN_REL",
+    "JAX_MODEL_REL", "JAX_ROPE_DOT_REL", "KDA_BF16_O_FRACTION", "KDA_BF16_STATE_REL_L2", "LOADER_REL_L2",
+    "OFFICIAL_POINT_REL_L2", "OFFICIAL_STREAM_REL_L2", "REPAIRED_LOGITS", "SEMANTICS_DUMP_REL_L2",
+    "SGLANG_GATE_REL_L2", "SWIGLU_CLAMP_PROBE_REL", "TAPS_O_NORM_ABS",
+})
 
 
 class AllClose:
@@ -249,8 +263,30 @@ def _c(name: str, rtol: float, atol: float, why: str, kind: str = "measured") ->
                     why=why, kind=kind)
 
 
-MEASURED: dict[str, float] = {}
-MEASURED_ON: dict[str, tuple[str, ...]] = {}
+# Largest passing values: XEON from `LING3_PARITY_BOUNDS_LOG=F python -m pytest -n 2 <the test files using them>`
+# (2026-11-27); XEON_AVX2 the same under LING3_PARITY_CPU_ISA=AVX2; the larger of the two is recorded.
+MEASURED_XEON: dict[str, float] = {
+    "FP32_LOSS_REL": 2.14e-07, "BF16_ONE_ROUNDING": 0.948, "CLAMP_VS_FP64": 0.0224, "FLA_CPU_REL_L2": 2.93e-06,
+    "FP32_FORMULA_VS_FP64": 0.132, "FP32_GATE_VS_FP64": 0.0841, "FP32_OP_VS_FP64": 0.101, "FP32_REORDERED": 0.0593,
+    "JAX_FP32_BLOCK_REL": 1.6e-07, "JAX_FP32_OP_REL": 1.34e-07, "JAX_KDA_CHUNK_VS_RECURRENT_REL": 5.49e-06,
+    "MLA_CORE_VS_DEEPSEEK": 0.0, "PREFIX_GAP": 1.07e-05, "ROPE_INV_FREQ_FP32": 0.081, "ROUTER_VS_DEEPSEEK": 0.179,
+    "TWIN_KDA_VS_FLA_NAIVE": 0.225, "TWIN_LOGIT_ABS": 7.9e-05, "TWIN_REL_L2": 5.65e-06,
+    "TWIN_GRAD_FP32_NOISE_MULTIPLE": 2.1, "JAX_SOLVE_RESIDUAL_ABS": 6.96e-06, "MOE_BLOCKED_BF16_FRACTION": 3.13e-04,
+    "MOE_BF16_FLIP_FRACTION": 0.0, "MOE_BF16_FLIP_ULPS": 0.0, "JAX_FP32_BLOCK_REL": 4.54e-07,
+    "JAX_FP32_OP_REL": 2.91e-07,
+}
+MEASURED_AVX2: dict[str, float] = {
+    "BF16_ONE_ROUNDING": 0.965, "CLAMP_VS_FP64": 0.0224, "FLA_CPU_REL_L2": 2.92e-06, "FP32_FORMULA_VS_FP64": 0.132,
+    "FP32_GATE_VS_FP64": 0.0841, "FP32_OP_VS_FP64": 0.108, "FP32_REORDERED": 0.0593, "JAX_FP32_BLOCK_REL": 1.6e-07,
+    "JAX_FP32_OP_REL": 1.34e-07, "JAX_KDA_CHUNK_VS_RECURRENT_REL": 5.49e-06, "MLA_CORE_VS_DEEPSEEK": 0.0,
+    "PREFIX_GAP": 7.57e-06, "ROPE_INV_FREQ_FP32": 0.081, "ROUTER_VS_DEEPSEEK": 0.179, "TWIN_KDA_VS_FLA_NAIVE": 0.225,
+    "TWIN_LOGIT_ABS": 1.13e-04, "TWIN_REL_L2": 5.95e-06,
+}
+MEASURED: dict[str, float] = {k: max(v for v in (MEASURED_XEON.get(k), MEASURED_AVX2.get(k)) if v is not None)
+                              for k in {*MEASURED_XEON, *MEASURED_AVX2}}
+MEASURED_ON: dict[str, tuple[str, ...]] = {
+    k: tuple(kind for kind, table in ((XEON, MEASURED_XEON), (XEON_AVX2, MEASURED_AVX2)) if k in table)
+    for k in MEASURED}
 
 FP32_LOSS_REL = _m("FP32_LOSS_REL", 1e-5, "the fp32 scalar loss of a forward-identical mutant vs the fp64 built-in's")
 TWIN_GRAD_FP32_NOISE_MULTIPLE = _m(
@@ -280,7 +316,9 @@ FLA_INTERP_GRAD_REL_L2 = Bound(
     why="fla's chunk_kda backward under the Triton interpreter vs the stand-ins' autograd, fp32 rel-L2 per input "
         "(test_fla_interpreter.py's comment: 2026-11-26, triton 3.9.0, fla 0.6.0; the test needs fla + triton)")
 JAX_KDA_CHUNK_VS_RECURRENT_REL = _m(
-    "JAX_KDA_CHUNK_VS_RECURRENT_REL", 1e-5, "JAX chunked KDA (WY form) vs recurrent / fla naive, fp32, max-abs relative")
+    "JAX_KDA_CHUNK_VS_RECURRENT_REL", 2e-5,
+    "JAX chunked KDA (WY form, cumulative log decays) vs recurrent / fla naive, fp32, max-abs relative (was 1e-5: x1.8 "
+    "over the measured 5.5e-6; the planted gate/beta perturbations give >= 1.8e-4)")
 JAX_FP32_OP_REL = _m("JAX_FP32_OP_REL", 1e-6,
                      "a small fp32 JAX op (gate, conv, l2norm, router, weights) vs a float64 or same-order reference")
 JAX_FP32_BLOCK_REL = _m("JAX_FP32_BLOCK_REL", 1e-5,
@@ -289,8 +327,11 @@ JAX_ROPE_DOT_REL = _m("JAX_ROPE_DOT_REL", 1e-4, "rotated q·k dot products (sums
 JAX_MODEL_REL = _m("JAX_MODEL_REL", 1e-4, "JAX model logits vs the twin, fp32, max-abs relative")
 JAX_MODEL_BUILTIN_REL = _m("JAX_MODEL_BUILTIN_REL", 2e-4, "JAX model logits vs transformers' built-in, fp32")
 LOADER_REL_L2 = _m("LOADER_REL_L2", 1e-5, "twin loaded with fla stand-ins vs transformers' built-in, fp32 rel-L2")
-TWIN_REL_L2 = _m("TWIN_REL_L2", 1e-5, "twin vs transformers' built-in modules, fp32 rel-L2")
-TWIN_LOGIT_ABS = _m("TWIN_LOGIT_ABS", 1e-4, "twin vs built-in logits, fp32, max |diff| (T=70: chunked vs recurrent)")
+TWIN_REL_L2 = _m("TWIN_REL_L2", 2e-5, "twin vs transformers' built-in modules, fp32 per-layer rel-L2 (was 1e-5: x1.8 "
+                 "over the measured 5.6e-6 at T=100, chunked KDA; the planted breakers give >= 5e-2)")
+TWIN_LOGIT_ABS = _m("TWIN_LOGIT_ABS", 4e-4, "twin vs built-in logits (|logits| <= 4.4), fp32, max |diff| (was 1e-4: "
+                    "7.9e-5 measured for T=70 on Xeon, 1.13e-4 with the AVX2 caps, i.e. red there; the breakers give "
+                    ">= 1.4)")
 PREFIX_GAP = _m("PREFIX_GAP", 1e-4, "logits of a prefix run alone vs inside a longer causal run, fp32 max |diff|")
 SEMANTICS_DUMP_REL_L2 = _m("SEMANTICS_DUMP_REL_L2", 1e-4,
                            "the JAX reference under a dump's semantics vs the dump, fp32 attention.core rel-L2")
@@ -326,6 +367,8 @@ MLA_CORE_VS_DEEPSEEK = _c("MLA_CORE_VS_DEEPSEEK", 0.0, 2e-6, "twin MLA core vs t
 ROUTER_VS_DEEPSEEK = _c("ROUTER_VS_DEEPSEEK", 0.0, 1e-6, "twin router weights/logits vs deepseek_v3's, fp32")
 BF16_ONE_ROUNDING = _c("BF16_ONE_ROUNDING", 2.0 ** -8, 1e-6, kind="exact",
                        why="a value accurate to fp32, rounded once to bf16: within half a bf16 ULP, <= 2^-8 relative")
+FP32_ONE_ROUNDING = _c("FP32_ONE_ROUNDING", 1e-7, 0.0, kind="exact",
+                       why="a float64 value rounded once to fp32: within 2^-24 = 6e-8 relative")
 FP64_SPECIAL_REL = _m("FP64_SPECIAL_REL", 1e-9, kind="exact",
                       why="float64 special functions (lgamma, log1p, pow) or norms of 1e3-1e4 values vs numpy: a few "
                           "hundred float64 roundings at most, ~1e-13; 1e-9 leaves room for library differences")
