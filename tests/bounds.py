@@ -112,10 +112,10 @@ def headroom_problems(bounds=None, minimum: float = MIN_HEADROOM) -> list[str]:
 # `LING3_PARITY_BOUNDS_LOG=F python -m pytest -q -n 2`, then `python tests/bounds.py F`). Each is still the value
 # the test had before; the headroom test prints them.
 PENDING: frozenset[str] = frozenset({
-    "BACKWARD_REPLAY_LOSS_REL", "BACKWARD_REPLAY_REL", "BACKWARD_REPLAY_REL_KDA", "DECODE_STEPS_VS_PREFILL",
+    "BACKWARD_REPLAY_LOSS_REL", "BACKWARD_REPLAY_REL", "BACKWARD_REPLAY_REL_KDA",
     "DUMP_RUNTIMES_REL_L2", "FP32_MATRIX_OP", "FP32_TOY_VJP", "GRAD_FP32_RUNTIMES_REL", "JAX_MODEL_BUILTIN_REL",
-    "JAX_MODEL_REL", "JAX_ROPE_DOT_REL", "KDA_BF16_O_FRACTION", "KDA_BF16_STATE_REL_L2", "LOADER_REL_L2",
-    "OFFICIAL_POINT_REL_L2", "OFFICIAL_STREAM_REL_L2", "REPAIRED_LOGITS", "SEMANTICS_DUMP_REL_L2",
+    "JAX_MODEL_REL", "JAX_ROPE_DOT_REL",
+    "OFFICIAL_POINT_REL_L2", "OFFICIAL_STREAM_REL_L2", "SEMANTICS_DUMP_REL_L2",
     "SGLANG_GATE_REL_L2", "SWIGLU_CLAMP_PROBE_REL", "TAPS_O_NORM_ABS",
 })
 
@@ -273,14 +273,17 @@ MEASURED_XEON: dict[str, float] = {
     "TWIN_KDA_VS_FLA_NAIVE": 0.225, "TWIN_LOGIT_ABS": 7.9e-05, "TWIN_REL_L2": 5.65e-06,
     "TWIN_GRAD_FP32_NOISE_MULTIPLE": 2.1, "JAX_SOLVE_RESIDUAL_ABS": 6.96e-06, "MOE_BLOCKED_BF16_FRACTION": 3.13e-04,
     "MOE_BF16_FLIP_FRACTION": 0.0, "MOE_BF16_FLIP_ULPS": 0.0, "JAX_FP32_BLOCK_REL": 4.54e-07,
-    "JAX_FP32_OP_REL": 2.91e-07,
+    "JAX_FP32_OP_REL": 2.91e-07, "DECODE_STEPS_VS_PREFILL": 0.216, "KDA_BF16_O_FRACTION": 2.08e-04,
+    "KDA_BF16_STATE_REL_L2": 0.0, "LOADER_REL_L2": 5.36e-06, "REPAIRED_LOGITS": 0.0,
 }
 MEASURED_AVX2: dict[str, float] = {
     "BF16_ONE_ROUNDING": 0.965, "CLAMP_VS_FP64": 0.0224, "FLA_CPU_REL_L2": 2.92e-06, "FP32_FORMULA_VS_FP64": 0.132,
     "FP32_GATE_VS_FP64": 0.0841, "FP32_OP_VS_FP64": 0.108, "FP32_REORDERED": 0.0593, "JAX_FP32_BLOCK_REL": 1.6e-07,
     "JAX_FP32_OP_REL": 1.34e-07, "JAX_KDA_CHUNK_VS_RECURRENT_REL": 5.49e-06, "MLA_CORE_VS_DEEPSEEK": 0.0,
     "PREFIX_GAP": 7.57e-06, "ROPE_INV_FREQ_FP32": 0.081, "ROUTER_VS_DEEPSEEK": 0.179, "TWIN_KDA_VS_FLA_NAIVE": 0.225,
-    "TWIN_LOGIT_ABS": 1.13e-04, "TWIN_REL_L2": 5.95e-06,
+    "TWIN_LOGIT_ABS": 1.13e-04, "TWIN_REL_L2": 5.95e-06, "DECODE_STEPS_VS_PREFILL": 0.30, "LOADER_REL_L2": 5.1e-06,
+    "REPAIRED_LOGITS": 0.0, "MOE_BF16_FLIP_FRACTION": 0.0, "MOE_BF16_FLIP_ULPS": 0.0,
+    "MOE_BLOCKED_BF16_FRACTION": 3.13e-04,
 }
 MEASURED: dict[str, float] = {k: max(v for v in (MEASURED_XEON.get(k), MEASURED_AVX2.get(k)) if v is not None)
                               for k in {*MEASURED_XEON, *MEASURED_AVX2}}
@@ -326,7 +329,8 @@ JAX_FP32_BLOCK_REL = _m("JAX_FP32_BLOCK_REL", 1e-5,
 JAX_ROPE_DOT_REL = _m("JAX_ROPE_DOT_REL", 1e-4, "rotated q·k dot products (sums of 64 fp32 products), max-abs rel")
 JAX_MODEL_REL = _m("JAX_MODEL_REL", 1e-4, "JAX model logits vs the twin, fp32, max-abs relative")
 JAX_MODEL_BUILTIN_REL = _m("JAX_MODEL_BUILTIN_REL", 2e-4, "JAX model logits vs transformers' built-in, fp32")
-LOADER_REL_L2 = _m("LOADER_REL_L2", 1e-5, "twin loaded with fla stand-ins vs transformers' built-in, fp32 rel-L2")
+LOADER_REL_L2 = _m("LOADER_REL_L2", 2e-5, "twin loaded with fla stand-ins vs transformers' built-in, fp32 rel-L2 "
+                   "(was 1e-5: x1.9 over the measured 5.4e-6; the planted lower-bound/clamp bugs give >= 4e-2)")
 TWIN_REL_L2 = _m("TWIN_REL_L2", 2e-5, "twin vs transformers' built-in modules, fp32 per-layer rel-L2 (was 1e-5: x1.8 "
                  "over the measured 5.6e-6 at T=100, chunked KDA; the planted breakers give >= 5e-2)")
 TWIN_LOGIT_ABS = _m("TWIN_LOGIT_ABS", 4e-4, "twin vs built-in logits (|logits| <= 4.4), fp32, max |diff| (was 1e-4: "
@@ -349,8 +353,10 @@ MOE_BLOCKED_BF16_FRACTION = _m("MOE_BLOCKED_BF16_FRACTION", 0.005,
 MOE_BF16_FLIP_FRACTION = _m("MOE_BF16_FLIP_FRACTION", 0.01, "fraction of bf16 elements that flip, fast vs dense MoE")
 MOE_BF16_FLIP_ULPS = _m("MOE_BF16_FLIP_ULPS", 1.0, "largest flip in bf16 ULPs, fast vs dense MoE")
 JAX_SOLVE_RESIDUAL_ABS = _m("JAX_SOLVE_RESIDUAL_ABS", 2e-4, "unit-lower solve: |M X - R| with X in fp32")
-DECODE_STEPS_VS_PREFILL = _c("DECODE_STEPS_VS_PREFILL", 1e-5, 1e-5,
-                             "logits of token-by-token decode vs one prefill, fp32 (another summation order)")
+DECODE_STEPS_VS_PREFILL = _c("DECODE_STEPS_VS_PREFILL", 2e-5, 2e-5,
+                             "logits of token-by-token decode vs one prefill, fp32 (another summation order); was "
+                             "1e-5/1e-5, whose usage was 0.60 under the AVX2 caps (x1.7); measured = that usage "
+                             "halved, exactly what doubling rtol and atol gives")
 REPAIRED_LOGITS = _c("REPAIRED_LOGITS", 1e-6, 1e-6, "logits of a repaired-inv_freq model vs the twin's own, fp32")
 ROPE_INV_FREQ_FP32 = _c("ROPE_INV_FREQ_FP32", 1e-6, 0.0, kind="exact",
                         why="fp32 inv_freq θ^(-2j/d) vs float64: a few fp32 roundings, <= 16 u = 1e-6")
