@@ -11,4 +11,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # option of its own jitted functions (parity/jax_ling3/__init__.py), so a port replayed by `pytest parity` runs under
 # its production flags (DESIGN §7). Unit tests that jit jax_ling3 functions themselves get it from tests/conftest.py.
 
+# Another CPU kind without another machine (issue 35): LING3_PARITY_CPU_ISA=AVX2 caps oneDNN, MKL, ATen and XLA:CPU
+# to AVX2 before torch or jax is imported (parity/cpu_isa.py; docs/troubleshooting.md). Explicit caps are kept.
+from parity.cpu_isa import apply_isa_cap, describe_caps  # noqa: E402  (imports neither torch nor jax)
+
+apply_isa_cap()
+
 pytest_plugins = ["parity.pytest_plugin.plugin"]
+
+
+def pytest_report_header(config):
+    """Every run states the vector-ISA caps it ran under (a capped run is another CPU kind: parity/golden.py)."""
+    return f"ling3-parity CPU ISA caps: {describe_caps()}"

@@ -73,4 +73,51 @@ def ensure_usable_onednn_isa(*, probe=probe_bf16_gemm, flags: set[str] | None = 
             f"{ISA_VAR}={CAPPED_ISA} set for this process and its children")
 
 
-__all__ = ["ISA_VAR", "CAPPED_ISA", "PROBE_VAR", "cpu_flags", "probe_bf16_gemm", "ensure_usable_onednn_isa"]
+# ------------------------------------------------------------------------------ another CPU kind on this machine
+# `LING3_PARITY_CPU_ISA=AVX2` runs the suite as an AVX2-only CPU would (issue 35): every library that picks its
+# kernels by the CPU's vector ISA is capped, so bounds meet AVX2 summation orders on any AVX-512 machine. Each
+# library's own switch, read once at its first use (so set before torch/jax are imported: the root conftest.py):
+# oneDNN (torch's bf16 GEMMs; capped at AVX2 torch has no oneDNN bf16 GEMM and uses its own, as on an AVX2 CPU),
+# MKL (torch's fp32 GEMMs), ATen's vectorised kernels (torch.backends.cpu.get_cpu_capability()), XLA:CPU's codegen.
+CPU_ISA_VAR = "LING3_PARITY_CPU_ISA"
+MKL_VAR, ATEN_VAR = "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY"
+ISA_CAPS = {
+    "AVX2": {ISA_VAR: "AVX2", MKL_VAR: "AVX2", ATEN_VAR: "avx2", "xla": "AVX2"},
+    "AVX512": {ISA_VAR: "AVX512_CORE", MKL_VAR: "AVX512", ATEN_VAR: "avx512", "xla": "AVX512"},
+}
+
+
+def isa_cap_env(isa: str, environ: dict[str, str]) -> dict[str, str]:
+    """The variables to set so the libraries run as on an `isa` CPU (ISA_CAPS). A variable the user already set is
+    kept (an explicit cap wins), and an XLA_FLAGS that already names --xla_cpu_max_isa is left alone."""
+    caps = ISA_CAPS.get(isa.upper())
+    if caps is None:
+        raise ValueError(f"{CPU_ISA_VAR}={isa!r}: expected one of {', '.join(ISA_CAPS)}")
+    out = {k: v for k, v in caps.items() if k != "xla" and not environ.get(k)}
+    if ISA_VAR in out and environ.get(LEGACY_ISA_VAR):
+        del out[ISA_VAR]
+    xla = environ.get("XLA_FLAGS", "")
+    if "--xla_cpu_max_isa" not in xla:
+        out["XLA_FLAGS"] = f"{xla} --xla_cpu_max_isa={caps['xla']}".strip()
+    return out
+
+
+def apply_isa_cap(environ=os.environ) -> str | None:
+    """Apply LING3_PARITY_CPU_ISA (when set) to `environ`; a one-line note of the caps in effect, else None."""
+    isa = environ.get(CPU_ISA_VAR)
+    if not isa:
+        return None
+    environ.update(isa_cap_env(isa, environ))
+    return f"ling3-parity: {CPU_ISA_VAR}={isa}: " + describe_caps(environ)
+
+
+def describe_caps(environ=os.environ) -> str:
+    """The ISA caps in effect, whoever set them (for the pytest header: a capped run says so)."""
+    names = (ISA_VAR, LEGACY_ISA_VAR, MKL_VAR, ATEN_VAR)
+    caps = [f"{n}={environ[n]}" for n in names if environ.get(n)]
+    caps += [f for f in environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_cpu_max_isa")]
+    return ", ".join(caps) if caps else "none (each library picks this CPU's widest ISA)"
+
+
+__all__ = ["ISA_VAR", "CAPPED_ISA", "PROBE_VAR", "CPU_ISA_VAR", "ISA_CAPS", "cpu_flags", "probe_bf16_gemm",
+           "ensure_usable_onednn_isa", "isa_cap_env", "apply_isa_cap", "describe_caps"]

@@ -40,8 +40,11 @@ def machine_kind() -> str:
     except OSError:
         pass
     kind = f"{vendor}/{torch.backends.cpu.get_cpu_capability()}"
-    isa = os.environ.get("ONEDNN_MAX_CPU_ISA")  # a capped oneDNN (parity/cpu_isa.py) runs other bf16 GEMM kernels
-    return f"{kind}/onednn<={isa}" if isa else kind
+    # Capped libraries run other kernels (parity/cpu_isa.py): oneDNN other bf16 GEMMs, MKL other fp32 GEMMs (an ATen
+    # cap already shows in the capability above). The suffixes only appear when a cap is set.
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
+    return kind + (f"/onednn<={isa}" if isa else "") + (f"/mkl<={mkl}" if mkl else "")
 
 
 # Where the official-runtime golden's checkpoint is rebuilt (outside the repository: it holds the official file).

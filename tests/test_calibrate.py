@@ -51,8 +51,8 @@ def test_point_noise_rtol_floor_fp32():
     test[0, 3] = np.float32(1e-6 + 64 * 2.0 ** -24)  # near zero: outside rtol, 64 fp32-ULP of row RMS (ulp = 2^-24)
     s = N.point_noise(ref, test, "float32")
     rms_ulp = 2.0 ** -24  # rms ≈ 0.866 ∈ [0.5, 1)
-    assert s["rtol_floor_needed"] == pytest.approx(abs(float(test[0, 3]) - 1e-6) / rms_ulp, rel=1e-6)
-    assert s["rtol_floor_needed"] == pytest.approx(64, rel=1e-3)
+    assert s["rtol_floor_needed"] == pytest.approx(abs(float(test[0, 3]) - 1e-6) / rms_ulp, rel=1e-6)  # not-a-bound: elementwise IEEE maths on constructed data (CPU-independent)
+    assert s["rtol_floor_needed"] == pytest.approx(64, rel=1e-3)  # not-a-bound: 64 ULP by construction, up to the fp32 rounding of 1e-6
     assert s["floor_needed"] > s["rtol_floor_needed"]  # element 1 (5e-6 ≈ 84 ULP of the RMS) needs more floor alone
 
 

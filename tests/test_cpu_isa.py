@@ -68,3 +68,50 @@ def test_real_bf16_gemm_works_under_the_guard():
             "assert float((a @ a)[0, 0]) == 16.0\nprint(os.environ.get('LING3_PARITY_AMX_PROBE', 'not probed'))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+
+
+# ------------------------------------------------------------------ LING3_PARITY_CPU_ISA: another CPU kind here
+def test_isa_cap_sets_every_library_and_keeps_explicit_caps():
+    env = cpu_isa.isa_cap_env("avx2", {})
+    assert env == {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+                   "XLA_FLAGS": "--xla_cpu_max_isa=AVX2"}
+    user = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "XLA_FLAGS": "--xla_allow_excess_precision=false"}
+    env = cpu_isa.isa_cap_env("AVX2", user)  # the user's oneDNN cap wins; XLA_FLAGS is extended, not replaced
+    assert "ONEDNN_MAX_CPU_ISA" not in env
+    assert env["XLA_FLAGS"] == "--xla_allow_excess_precision=false --xla_cpu_max_isa=AVX2"
+    assert "XLA_FLAGS" not in cpu_isa.isa_cap_env("AVX2", {"XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2"})
+    assert "ONEDNN_MAX_CPU_ISA" not in cpu_isa.isa_cap_env("AVX2", {"DNNL_MAX_CPU_ISA": "AVX2"})
+    with pytest.raises(ValueError, match="LING3_PARITY_CPU_ISA='avx9'"):
+        cpu_isa.isa_cap_env("avx9", {})
+
+
+def test_apply_isa_cap_records_the_caps_in_effect():
+    env = {"LING3_PARITY_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
+    note = cpu_isa.apply_isa_cap(env)
+    assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2" and env["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"  # explicit kept
+    assert note and "MKL_ENABLE_INSTRUCTIONS=SSE4_2" in note and "--xla_cpu_max_isa=AVX2" in note
+    assert cpu_isa.apply_isa_cap({}) is None
+    assert cpu_isa.describe_caps({}).startswith("none")
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the caps are x86 vector ISAs")
+def test_isa_cap_takes_effect_in_torch_mkl_and_xla():
+    """A child process under LING3_PARITY_CPU_ISA=AVX2 (applied as the root conftest does): ATen reports AVX2, MKL's
+    verbose line names its AVX2 code path for an fp32 GEMM, a bf16 GEMM runs, XLA accepts the ISA flag (an unknown
+    ISA is only a warning, so its absence is checked) and the golden machine kind is another CPU kind."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY", "XLA_FLAGS")}
+    env.update({"LING3_PARITY_CPU_ISA": "AVX2", "MKL_VERBOSE": "1", "JAX_PLATFORMS": "cpu"})
+    code = ("from parity.cpu_isa import apply_isa_cap\napply_isa_cap()\nimport torch, jax, jax.numpy as jnp\n"
+            "print('aten', torch.backends.cpu.get_cpu_capability())\n"
+            "torch.ones(64, 64) @ torch.ones(64, 64)\n"
+            "a = torch.full((64, 64), 0.5, dtype=torch.bfloat16)\nassert float((a @ a)[0, 0]) == 16.0\n"
+            "print('xla', float(jax.jit(lambda x: (x @ x).sum())(jnp.ones((8, 8)))))\n"
+            "from parity.golden import machine_kind\nprint('kind', machine_kind())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    out = r.stdout + r.stderr
+    assert "aten AVX2" in out and "xla 512.0" in out, out[-2000:]
+    assert "Intel(R) Advanced Vector Extensions 2 (Intel(R) AVX2)" in out, out[-2000:]
+    assert "Unknown CPU ISA" not in out, out[-2000:]
+    assert "/AVX2/onednn<=AVX2/mkl<=AVX2" in out, out[-2000:]

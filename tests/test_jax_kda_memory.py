@@ -68,4 +68,4 @@ def test_grouped_heads_lower_temporaries():
         f = jax.jit(lambda q, k, v, g, beta, S0: kda.kda_chunked(q, k, v, g, beta, K ** -0.5, S0, kda.CHUNK, hs))
         return f.lower(q, k, v, g, beta, S0).compile().memory_analysis().temp_size_in_bytes
 
-    assert temp(2) < 0.6 * temp(None), (temp(2), temp(None))
+    assert temp(2) < 0.6 * temp(None), (temp(2), temp(None))  # not-a-bound: a memory ratio, not an fp tolerance

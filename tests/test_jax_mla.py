@@ -15,8 +15,9 @@ from parity.jax_ling3.mla import init_mla_cache, mla_attention
 from parity.jax_ling3.rope import apply_rope_interleaved, cos_sin, inv_freq
 from parity.jax_ling3.spec import layer_spec
 from parity.jax_ling3.testing import assert_rel_close
+from bounds import FP32_ONE_ROUNDING, JAX_FP32_BLOCK_REL, JAX_FP32_OP_REL, JAX_ROPE_DOT_REL
 
-TOL = 1e-5
+TOL = JAX_FP32_BLOCK_REL
 layer = jax.jit(mla_attention, static_argnames=("spec",))
 
 
@@ -82,12 +83,12 @@ def test_perturbed_absorbed_form_is_detected(setup):
 def test_causality_and_gate(setup):
     cfg, spec, p, x, pos, ref, ref_pts = setup
     out, pts, _ = layer(p, x[:, :5], pos[:5], spec)  # a prefix sees nothing of the later tokens
-    assert_rel_close(out, ref[:, :5], 1e-6, "prefix of a causal prefill")
+    assert_rel_close(out, ref[:, :5], JAX_FP32_OP_REL, "prefix of a causal prefill")
     H = cfg.num_attention_heads
     gate = 1 / (1 + np.exp(-np.asarray(ref_pts["attention.g_proj"], np.float64)))
-    assert_rel_close(ref_pts["attention.gate"], gate, 1e-6, "head gate = σ(g_proj x)")
+    assert_rel_close(ref_pts["attention.gate"], gate, JAX_FP32_OP_REL, "head gate = σ(g_proj x)")
     gated = np.asarray(ref_pts["attention.core"]).reshape(2, 12, H, -1) * gate[..., None]
-    assert_rel_close(ref_pts["attention.dense:in"], gated.reshape(2, 12, -1), 1e-6, "gate before dense")
+    assert_rel_close(ref_pts["attention.dense:in"], gated.reshape(2, 12, -1), JAX_FP32_OP_REL, "gate before dense")
 
 
 def test_rope_interleave_equals_gptj_then_permutation():
@@ -108,13 +109,13 @@ def test_rope_interleave_equals_gptj_then_permutation():
     ref = y[..., perm]
     cos, sin = cos_sin(jnp.asarray(pos), r, theta, jnp.float32)
     got = apply_rope_interleaved(jnp.asarray(x, jnp.float32), cos, sin)
-    assert_rel_close(got, ref, 1e-5, "interleaved RoPE vs GPT-J + permutation")
-    assert np.allclose(inv_freq(r, theta), theta ** (-np.arange(0, r, 2) / r), rtol=1e-7)
+    assert_rel_close(got, ref, JAX_FP32_BLOCK_REL, "interleaved RoPE vs GPT-J + permutation")
+    FP32_ONE_ROUNDING.check(inv_freq(r, theta), theta ** (-np.arange(0, r, 2) / r), "inv_freq")
     # scores are permutation invariant: q·k equals the GPT-J (unpermuted) dot product
     s_got = np.einsum("btha,btha->bth", np.asarray(got, np.float64), np.asarray(got, np.float64)[:, :, ::-1])
     s_ref = np.einsum("btha,btha->bth", ref, ref[:, :, ::-1])
-    assert_rel_close(s_got, s_ref, 1e-4, "rotated dot products")
+    assert_rel_close(s_got, s_ref, JAX_ROPE_DOT_REL, "rotated dot products")
     with pytest.raises(AssertionError):  # a rotate-half (NeoX) RoPE without de-interleave is a different map
         neox = np.concatenate([x[..., :r // 2] * np.cos(f) - x[..., r // 2:] * np.sin(f),
                                x[..., r // 2:] * np.cos(f) + x[..., :r // 2] * np.sin(f)], -1)
-        assert_rel_close(got, neox, 1e-5, "NeoX")
+        assert_rel_close(got, neox, JAX_FP32_BLOCK_REL, "NeoX")

@@ -28,6 +28,7 @@ import pytest
 
 from parity.jax_ling3 import moe
 from parity.jax_ling3.testing import assert_rel_close
+from bounds import JAX_FP32_BLOCK_REL, MOE_BF16_FLIP_FRACTION, MOE_BF16_FLIP_ULPS, MOE_BLOCKED_BF16_FRACTION
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +63,7 @@ def test_blocked_equals_dense_fp32(case, block):
     p, x, idx, w = _inputs(N, k, D, I, E, routing, jnp.float32)
     dense = _run(moe.routed_experts_dense, p, x, idx, w, lim)
     fast = _run(moe.routed_experts_blocked, p, x, idx, w, lim, block=block)
-    assert_rel_close(fast, dense, 1e-5, f"blocked vs dense fp32 {case} block={block}")
+    assert_rel_close(fast, dense, JAX_FP32_BLOCK_REL, f"blocked vs dense fp32 {case} block={block}")
 
 
 def _np_routed_bf16(p, x, idx, w, limit):
@@ -101,7 +102,7 @@ def test_blocked_bf16_matches_numpy_rounding_points(case):
     # flips and the flip propagates (measured: 0.03 % of elements differ on N300k8E64, up to 10 ULP after
     # cancellation). So: ≤ 0.5 % of elements may differ at all; a wrong expert or row changes > 50 %.
     diff = (fast != ref).mean()
-    assert diff <= 0.005, f"blocked bf16 vs numpy: {diff:.2%} elements differ (max {bf16_ulps(fast, ref).max():.0f} ULP)"
+    assert float(diff) <= MOE_BLOCKED_BF16_FRACTION, f"blocked bf16 vs numpy: {diff:.2%} elements differ (max {bf16_ulps(fast, ref).max():.0f} ULP)"
 
 
 def bf16_ulps(a: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -113,7 +114,7 @@ def bf16_ulps(a: np.ndarray, ref: np.ndarray) -> np.ndarray:
 def assert_bf16_flips_only(a, ref, what: str) -> None:
     diff = a != ref
     worst = bf16_ulps(a, ref).max() if diff.any() else 0.0
-    assert diff.mean() <= 0.01 and worst <= 1.0, f"{what}: {diff.mean():.2%} elements differ, max {worst:.1f} ULP"
+    assert float(diff.mean()) <= MOE_BF16_FLIP_FRACTION and float(worst) <= MOE_BF16_FLIP_ULPS, f"{what}: {diff.mean():.2%} elements differ, max {worst:.1f} ULP"
 
 
 def test_comparisons_fail_when_blocked_path_is_broken(monkeypatch):
@@ -124,7 +125,7 @@ def test_comparisons_fail_when_blocked_path_is_broken(monkeypatch):
     shifted = {n: jnp.roll(v, -1, axis=0) for n, v in p.items()}
     broken = np.asarray(jax.jit(lambda p, x, i, w: moe.routed_experts_blocked(shifted, x, i, w, lim))(p, x, idx, w))
     with pytest.raises(AssertionError):
-        assert_rel_close(broken, dense, 1e-5)
+        assert_rel_close(broken, dense, JAX_FP32_BLOCK_REL)
     # a loop that skips experts it should run (the used-expert test broken: only expert 0 runs) -> rows left zero
     pb, xb, idxb, wb = _inputs(N, k, D, I, E, routing, jnp.bfloat16)
     ref = _np_routed_bf16(pb, xb, idxb, wb, lim)

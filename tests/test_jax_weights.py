@@ -154,7 +154,7 @@ def test_real_shaped_layer_loads_with_about_one_layer_of_memory(tmp_path):
     res = json.loads(out.stdout.strip().splitlines()[-1])
     print(res, "checkpoint bytes", total)
     assert total > 1.8 * res["layer_bytes"]
-    assert res["peak_growth"] < 1.5 * res["layer_bytes"], res
+    assert res["peak_growth"] < 1.5 * res["layer_bytes"], res  # not-a-bound: a memory ratio
 
 
 def _by_layer(specs):

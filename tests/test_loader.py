@@ -27,10 +27,11 @@ from parity.model.config import Ling3Config
 from parity.errors import CheckpointError, ParityError
 from parity.torch_ref import fla_cpu
 from parity.torch_ref import loader as L
+from bounds import DECODE_STEPS_VS_PREFILL, LOADER_REL_L2, REPAIRED_LOGITS, ROPE_INV_FREQ_FP32
 
 REPO = Path(__file__).resolve().parents[1]
 TINY, TINY_FLASH = REPO / "dumps" / "ckpt" / "tiny", REPO / "dumps" / "ckpt" / "tiny-flash"
-REL_TOL = 1e-5
+REL_TOL = LOADER_REL_L2
 
 pytestmark = pytest.mark.skipif(
     not ((TINY / "config.json").exists() and (TINY_FLASH / "config.json").exists()
@@ -176,9 +177,9 @@ def test_uninitialised_inv_freq_quirk_is_repaired(twin_own):
     with _env(LING3_TWIN_KERNELS="torch"):
         lm = L.load_model(TINY, "remote", cpu_kernels=False, config_overrides={"twin_quirk_uninit_inv_freq": True})
     buf = lm.model.model.rotary_emb.inv_freq
-    torch.testing.assert_close(buf.double(), _want_inv_freq(lm.config), rtol=1e-6, atol=0)
+    ROPE_INV_FREQ_FP32.check(buf.double(), _want_inv_freq(lm.config))
     ids = _ids(30)
-    torch.testing.assert_close(_logits(lm.model, ids), _logits(twin_own.model, ids), rtol=1e-6, atol=1e-6)
+    REPAIRED_LOGITS.check(_logits(lm.model, ids), _logits(twin_own.model, ids))
     rec = lm.guards["inv_freq"]["buffers"]["model.rotary_emb.inv_freq"]
     assert set(rec) >= {"max_rel_deviation_before", "repaired"}
 
@@ -194,7 +195,7 @@ def test_repair_records_and_fixes_garbage(twin_own):
     assert _rel(broken, good) > 1e-3  # the logits comparison does see a wrong inv_freq
     rec = L.repair_inv_freq(m, cfg)["buffers"]["model.rotary_emb.inv_freq"]
     assert rec["repaired"] is True and rec["max_rel_deviation_before"] > 1.0
-    torch.testing.assert_close(buf.double(), _want_inv_freq(cfg), rtol=1e-6, atol=0)
+    ROPE_INV_FREQ_FP32.check(buf.double(), _want_inv_freq(cfg))
     torch.testing.assert_close(_logits(m, ids), good, rtol=0, atol=0)
     with torch.no_grad():
         buf.fill_(float("nan"))
@@ -219,7 +220,7 @@ def test_decode_positions_and_manual_decode(twin_stand_ins):
         for t in range(20, 24):
             out = m(input_ids=ids[:, t:t + 1], past_key_values=pkv, use_cache=True, **L.decode_positions(t, 1))
             steps.append(out.logits)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    DECODE_STEPS_VS_PREFILL.check(torch.cat(steps, 1), full)
 
 
 # ----------------------------------------------------------------------------------------------- twin via stand-ins

@@ -37,7 +37,7 @@ def test_ulp_plant_bf16_and_relative_plant():
     assert np.all((d == step) | (d == step / 2))
     rel = plant(ref.astype(np.float32), "relative", 1e-3, np.random.default_rng(4), "float32")
     r = np.abs(rel.astype(np.float64) / ref.astype(np.float64) - 1)
-    assert np.allclose(r, 1e-3, rtol=1e-3)
+    assert np.allclose(r, 1e-3, rtol=1e-3)  # not-a-bound: a planted 1e-3 offset up to fp32 rounding of the data (elementwise)
     with pytest.raises(ValueError, match="kind"):
         plant(ref, "absolute", 1, np.random.default_rng(0), "bfloat16")
 
@@ -50,7 +50,7 @@ def test_resolution_of_simple_rules():
     res = resolution([(ref, ref.copy(), ulp_rule)], "ulps")
     assert res.magnitude == 3 and res.rate_at == 1.0 and res.rates[0] == (1, 0.0)
     fp32 = np.float32(rng.standard_normal((8, 64))) + np.float32(3)  # |x| ≥ ~0.5: no cancellation
-    tier = ToleranceRule(floor_ulps=0, max_ulps=None, allowed_fraction=0, hard_ulps=None, rtol=1e-5)
+    tier = ToleranceRule(floor_ulps=0, max_ulps=None, allowed_fraction=0, hard_ulps=None, rtol=1e-5)  # not-a-bound: a rule under test
     res = resolution([(fp32, fp32.copy(), tier)], "relative", scan=(5e-6, 2e-5))
     assert res.magnitude == 2e-5 and res.rates[0][1] == 0.0
     assert detection_rate([(fp32, fp32.copy(), tier)], "relative", 5e-6, range(3)) == 0.0

@@ -193,7 +193,7 @@ def test_rule_constructor_validates():
         ToleranceRule(1, 2, 1.5, 64)
     with pytest.raises(ToleranceError, match="never fail"):
         ToleranceRule(1, None, 0.0, None)
-    assert ToleranceRule(0, None, 0.0, None, rtol=1e-5).has_allclose
+    assert ToleranceRule(0, None, 0.0, None, rtol=1e-5).has_allclose  # not-a-bound: a rule under test
 
 
 # ------------------------------------------------------------------------------------------- the calibration file

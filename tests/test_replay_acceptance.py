@@ -132,7 +132,7 @@ def test_near_tie_nudge_is_benign_and_large_swap_fails():
     cases = [_routing_case(i) for i in range(1, 8)]  # every MoE layer of the tiny model
     cfg, bias, logits, idx, lp, ip, gaps = min(cases, key=lambda c: c[-1][0])  # the layer with the nearest tie
     gap, t, kept, other = gaps[0]
-    assert 0 < gap < 1e-2, f"no near-tie in the dump (closest margin {gap})"
+    assert 0 < gap < 1e-2, f"no near-tie in the dump (closest margin {gap})"  # not-a-bound: a property of the dump
     # Nudge the *reference* router logits so it prefers `other` over `kept` by a hair, as a differently-rounded
     # correct implementation might: both scores moved by half the gap and a bit.
     ref_logits = logits.copy()

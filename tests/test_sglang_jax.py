@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from parity.targets.sglang_jax import INSTALL_HINT
+from bounds import SGLANG_GATE_REL_L2
 
 try:
     import sgl_jax.srt.models.bailing_moe_v3  # noqa: F401
@@ -73,7 +74,7 @@ def test_port_gate_is_the_softplus_form_by_numpy():
     ling3 = -5.0 / (1 + np.exp(-rate * z))
     port = r.points["attention.gate"].astype(np.float64).reshape(kimi.shape)
     rel = lambda u, v: np.linalg.norm(u - v) / np.linalg.norm(v)  # noqa: E731
-    assert rel(port, kimi) < 1e-4 < 0.5 < rel(port, ling3)
+    assert float(rel(port, kimi)) < SGLANG_GATE_REL_L2 and rel(port, ling3) > 0.5  # not-a-bound: 0.5, far from the Ling3 form
 
 
 def test_port_rmsnorm_rounds_once_where_the_reference_rounds_twice():
@@ -115,6 +116,6 @@ def test_port_rmsnorm_rounds_once_where_the_reference_rounds_twice():
             hf_form = f32((w * f32((x * r).astype(bf16))).astype(bf16))
             port_form = f32((x * (r * w)).astype(bf16))
             assert np.array_equal(f32(ob.ref), hf_form) and np.array_equal(f32(ob.test), port_form), ob.point.key()
-            assert 0.1 < np.mean(f32(ob.test) != hf_form) < 0.4, ob.point.key()
+            assert 0.1 < np.mean(f32(ob.test) != hf_form) < 0.4, ob.point.key()  # not-a-bound: a property of the constructed data
             seen += 1
     assert seen == 5

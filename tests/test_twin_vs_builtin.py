@@ -10,7 +10,9 @@ Measured (2-core CPU, torch 2.13, `python -m pytest tests/test_twin_vs_builtin.p
   prefill 100 tokens (chunked KDA path):  per-layer rel-L2 ≤ 5.6e-6, logits max|Δ| 6.0e-5 (|logits| ≤ 4.4)
   prefill 40 / 70 + 5 decode steps (explicit positions): logits max|Δ| ≤ 1.5e-5 at every step
   (official vs built-in in ORC §4: ≤ 3e-6 per layer, 5.6e-5 at 150 tokens.)
-Tolerances: per-layer rel-L2 ≤ 1e-5 and logits max|Δ| ≤ 1e-4 — the fp32 tier (~1e-5 relative) of DESIGN §5.
+Tolerances: per-layer rel-L2 ≤ 2e-5 and logits max|Δ| ≤ 4e-4 (tests/bounds.py TWIN_REL_L2, TWIN_LOGIT_ABS: ≥ ×3
+over the largest measured, with the AVX2 caps too, issue 35; they were 1e-5 and 1e-4, DESIGN §5's fp32 tier, and
+the logits one failed under the AVX2 caps: 1.13e-4).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from bounds import (FP32_FORMULA_VS_FP64, FP32_GATE_VS_FP64, PREFIX_GAP, ROPE_INV_FREQ_FP32, TWIN_KDA_VS_FLA_NAIVE,
+                    TWIN_LOGIT_ABS, TWIN_REL_L2)
 
-REL_TOL = 1e-5
-LOGIT_ABS_TOL = 1e-4
+REL_TOL = TWIN_REL_L2
+LOGIT_ABS_TOL = TWIN_LOGIT_ABS
 RAGGED_LAYER_TYPES = ["linear_attention"] * 5 + ["full_attention"] * 3  # tiny-flash: group 6, n 8 -> MLA 5, 6, 7
 
 
@@ -196,10 +200,10 @@ def test_twin_kda_matches_fla_naive(fn):
     q, k, v, gate, beta, S0, _ = _kda_inputs(150)
     ref_o, ref_S = naive.naive_recurrent_kda(q, k, v, gate, beta, initial_state=S0, output_final_state=True)
     o, S = getattr(tw, fn)(q, k, v, gate, beta, 16 ** -0.5, initial_state=S0)
-    torch.testing.assert_close(o, ref_o, atol=5e-6, rtol=0)
-    torch.testing.assert_close(S, ref_S, atol=5e-6, rtol=0)
+    TWIN_KDA_VS_FLA_NAIVE.check(o, ref_o)
+    TWIN_KDA_VS_FLA_NAIVE.check(S, ref_S)
     o_bad, _ = getattr(tw, fn)(q, k, v, gate, beta * 1.01, 16 ** -0.5, initial_state=S0)
-    assert (o_bad - ref_o).abs().max() > 5e-6
+    assert TWIN_KDA_VS_FLA_NAIVE.usage(o_bad, ref_o) > 1
 
 
 def test_twin_kda_gate_and_l2norm_formulas():
@@ -214,10 +218,10 @@ def test_twin_kda_gate_and_l2norm_formulas():
     rate = np.exp(Al)[:, None]
     lb = -5.0 * (1 / (1 + np.exp(-rate * x)))
     sp = -rate * np.log1p(np.exp(x))
-    np.testing.assert_allclose(tw.kda_gate(a, A_log, dt_bias, -5.0).numpy(), lb, rtol=2e-6, atol=1e-6)
-    np.testing.assert_allclose(tw.kda_gate(a, A_log, dt_bias, None).numpy(), sp, rtol=2e-6, atol=1e-6)
+    FP32_GATE_VS_FP64.check(tw.kda_gate(a, A_log, dt_bias, -5.0).numpy(), lb)
+    FP32_GATE_VS_FP64.check(tw.kda_gate(a, A_log, dt_bias, None).numpy(), sp)
     qn = an / np.sqrt((an**2).sum(-1, keepdims=True) + 1e-6)
-    np.testing.assert_allclose(tw.l2_normalize(a).numpy(), qn, rtol=1e-6, atol=1e-7)
+    FP32_FORMULA_VS_FP64.check(tw.l2_normalize(a).numpy(), qn)
 
 
 # ---------------------------------------------------------------- official-quirk switches (default off)
@@ -238,7 +242,7 @@ def test_quirk_noncausal_sdpa(tiny_ckpt):
         bad = AutoModelForCausalLM.from_pretrained(tiny_ckpt, trust_remote_code=True, dtype=torch.float32,
                                                    twin_quirk_noncausal_sdpa=True)
     assert ok.config._attn_implementation == "sdpa"
-    assert _prefix_gap(ok, ids) < 1e-4
+    assert _prefix_gap(ok, ids) < PREFIX_GAP
     assert _prefix_gap(bad, ids) > 0.1
 
 
@@ -251,8 +255,8 @@ def test_quirk_uninit_inv_freq(tiny_ckpt):
     ok = AutoModelForCausalLM.from_pretrained(tiny_ckpt, trust_remote_code=True, dtype=torch.float32)
     bad = AutoModelForCausalLM.from_pretrained(tiny_ckpt, trust_remote_code=True, dtype=torch.float32,
                                                twin_quirk_uninit_inv_freq=True)
-    torch.testing.assert_close(ok.model.rotary_emb.inv_freq, want, rtol=1e-6, atol=0)
-    assert not torch.allclose(bad.model.rotary_emb.inv_freq, want, rtol=1e-3, atol=0)
+    ROPE_INV_FREQ_FP32.check(ok.model.rotary_emb.inv_freq, want)
+    assert ROPE_INV_FREQ_FP32.usage(bad.model.rotary_emb.inv_freq, want) > 1000  # off by > 1e-3 relative
 
 
 @pytest.mark.parametrize("quirk", [False, True])
@@ -271,7 +275,7 @@ def test_manual_decode_without_positions(tiny_ckpt, quirk):
     if quirk:
         assert min(gaps) > 0.05, gaps
     else:
-        assert max(gaps) < 1e-4, gaps
+        assert max(gaps) < PREFIX_GAP, gaps
 
 
 # ---------------------------------------------------------------- fla kernel dispatch contract (ORC §1.1)
@@ -281,7 +285,7 @@ def test_fla_dispatch_calls_kernels_like_the_official_file(tiny_ckpt, monkeypatc
     safe_gate for chunk only, initial_state, output_final_state) and use ShortConvolution / FusedRMSNormGated.
     The fake kernels here are adapters over fla's naive reference (gate and L2 norm applied as documented), so the
     fla-dispatched twin must reproduce the pure-PyTorch twin's logits. Measured logits max|Δ|: T=30 (recurrent on
-    both sides) ~1e-6; T=70 (naive recurrent vs the twin's chunked form) 7.9e-5 -> the fp32-tier LOGIT_ABS_TOL."""
+    both sides) ~1e-6; T=70 (naive recurrent vs the twin's chunked form) 7.9e-5 -> LOGIT_ABS_TOL (×3 over it)."""
     import sys
     import types
 
