@@ -195,27 +195,36 @@ def _routed_blocked_fwd(p, x, idx, w, limit, Bs):
 
 def _routed_blocked_bwd(limit, Bs, res, dout):
     """The VJP of the blocked path, expert by expert: each used expert's row blocks accumulate its three weight
-    gradients in fp32 ([D, I] / [I, D] accumulators), written once into the gradient stacks, rounded once.
+    gradients in fp32, written once into the gradient stacks, rounded once.
 
     Per row it is the VJP plain AD takes through the forward's roundings: the row's output cotangent is
     dt(dout · w) (the cotangent of the dt expert output), dh = dt(dy · Wd^T), (dg, du) = swiglu's own VJP, the
-    row's input cotangent dg · Wg^T + du · Wu^T in fp32. The rows of a token are summed in fp32 and cast once.
-    A block's rows past its expert's count (the spill onto the next expert) get a zero cotangent, and their dx rows
-    are overwritten by the next expert's blocks, as in the forward. Readable reference: plain AD of
+    row's input cotangent [dg du] · [Wg Wu]^T in fp32 (gate and up as one GEMM). The rows of a token are summed in
+    fp32 and cast once. A block's rows past its expert's count (the spill onto the next expert) get a zero
+    cotangent, and their dx rows are overwritten by the next expert's blocks, as in the forward. The blocks have
+    `bwd_block_rows` rows (their fp32 sums, not the forward's bits, depend on it). Readable reference: plain AD of
     `routed_experts_dense` (tests/test_jax_moe_vjp.py)."""
     p, x, idx, w, rows, ys, gs, us = res
     dt = x.dtype
     N, D = x.shape
     k = idx.shape[-1]
     E, _, I = p["experts_gate"].shape
-    R = rows.tok.shape[0]
+    A = N * k
+    Bb = bwd_block_rows(A, E)
+    R = A + Bb  # Bb spare rows for the last expert's spill
     up = _up()
     dout_f = dout.astype(F32)
     inv = jnp.argsort(rows.order)
     dw = jnp.einsum("nd,nkd->nk", dout_f, ys[inv].reshape(N, k, D), precision=HI).astype(w.dtype)
-    dy = (dout_f[:, None, :] * w.astype(F32)[:, :, None]).astype(dt).reshape(N * k, D)
-    dys = up(jnp.concatenate([dy[rows.order], jnp.zeros((R - N * k, D), dt)]))
-    xs = up(x[rows.tok])
+    dy = (dout_f[:, None, :] * w.astype(F32)[:, :, None]).astype(dt).reshape(A, D)
+
+    def padded(a, rows_in_order):
+        return jnp.concatenate([rows_in_order, jnp.zeros((R - rows_in_order.shape[0],) + a.shape[1:], a.dtype)])
+
+    dys = up(padded(dy, dy[rows.order]))
+    xs = up(jnp.concatenate([x[rows.tok[:A]], jnp.zeros((Bb, D), dt)]))
+    gus = jnp.concatenate([gs[:A], us[:A]], axis=1)  # [A, 2I] fp32 holding dt values
+    gus = padded(gus, gus)
     names = ("experts_gate", "experts_up", "experts_down")
     # gradient stacks as integer bits when 2-byte (XLA:CPU has no bf16 dynamic-update-slice: see `_expert_rows`)
     bits = {n: jnp.uint16 if p[n].dtype.itemsize == 2 else None for n in names}
@@ -227,40 +236,55 @@ def _routed_blocked_bwd(limit, Bs, res, dout):
             g = jax.lax.bitcast_convert_type(g, bits[n])
         return jax.lax.dynamic_update_index_in_dim(stack, g, e, axis=0)
 
+    def swiglu_split(gu):
+        return swiglu(gu[:, :I], gu[:, I:], limit)
+
     def expert_body(e, carry):
         dxs, stacks = carry
-        wg, wu, wd = (up(p[n][e].astype(dt)) for n in names)
+        wgu = up(jnp.concatenate([p["experts_gate"][e], p["experts_up"][e]], axis=1).astype(dt))  # [D, 2I]
+        wd = up(p["experts_down"][e].astype(dt))
 
-        def block_body(j, acc):
-            ag, au, ad, dxs = acc
-            r0 = rows.seg_start[e] + j * Bs
-            valid = (j * Bs + jnp.arange(Bs)) < rows.counts[e]
-            xb = jax.lax.dynamic_slice_in_dim(xs, r0, Bs)
-            gb, ub = (jax.lax.dynamic_slice_in_dim(b, r0, Bs).astype(dt) for b in (gs, us))
-            dyb = jnp.where(valid[:, None], jax.lax.dynamic_slice_in_dim(dys, r0, Bs), 0)
-            h, swiglu_vjp = jax.vjp(lambda g, u: swiglu(g, u, limit), gb, ub)
-            ad = ad + matmul_f32(up(h).T, dyb)
-            dg, du = (up(a) for a in swiglu_vjp(matmul_f32(dyb, wd.T).astype(dt)))
-            ag = ag + matmul_f32(xb.T, dg)
-            au = au + matmul_f32(xb.T, du)
-            dxb = matmul_f32(dg, wg.T) + matmul_f32(du, wu.T)
-            return ag, au, ad, jax.lax.dynamic_update_slice_in_dim(dxs, dxb, r0, axis=0)
+        def block(j, dxs):  # block j of expert e: its weight-gradient terms, dxs with its dx rows written
+            r0 = rows.seg_start[e] + j * Bb
+            valid = (j * Bb + jnp.arange(Bb)) < rows.counts[e]
+            xb = jax.lax.dynamic_slice_in_dim(xs, r0, Bb)
+            gub = jax.lax.dynamic_slice_in_dim(gus, r0, Bb).astype(dt)
+            dyb = jnp.where(valid[:, None], jax.lax.dynamic_slice_in_dim(dys, r0, Bb), 0)
+            h, swiglu_vjp = jax.vjp(swiglu_split, gub)
+            dgu = up(swiglu_vjp(matmul_f32(dyb, wd.T).astype(dt))[0])  # [Bb, 2I]
+            dxs = jax.lax.dynamic_update_slice_in_dim(dxs, matmul_f32(dgu, wgu.T), r0, axis=0)
+            return matmul_f32(xb.T, dgu), matmul_f32(up(h).T, dyb), dxs
 
-        acc0 = (jnp.zeros((D, I), F32), jnp.zeros((D, I), F32), jnp.zeros((I, D), F32), dxs)
-        ag, au, ad, dxs = jax.lax.fori_loop(0, (rows.counts[e] + Bs - 1) // Bs, block_body, acc0)
-        return dxs, tuple(put(s, e, a, n) for s, a, n in zip(stacks, (ag, au, ad), names))
+        def more(j, acc):
+            agu, ad, dxs = acc
+            bgu, bd, dxs = block(j, dxs)
+            return agu + bgu, ad + bd, dxs
+
+        # block 0 outside the loop: an expert with one block (most, at T <= 512) adds no accumulators
+        agu, ad, dxs = jax.lax.fori_loop(1, (rows.counts[e] + Bb - 1) // Bb, more, block(0, dxs))
+        grads = (agu[:, :I], agu[:, I:], ad)
+        return dxs, tuple(put(s, e, a, n) for s, a, n in zip(stacks, grads, names))
 
     def maybe_expert(e, carry):
         return jax.lax.cond(rows.counts[e] > 0, expert_body, lambda e, c: c, e, carry)
 
     dxs, stacks = jax.lax.fori_loop(0, E, maybe_expert, (jnp.zeros((R, D), F32), stack0))
-    dx = jnp.sum(dxs[inv].reshape(N, k, D), axis=1).astype(dt)
+    dx = jnp.sum(dxs[:A][inv].reshape(N, k, D), axis=1).astype(dt)
     dp = {n: jax.lax.bitcast_convert_type(s, p[n].dtype) if bits[n] is not None else s
           for n, s in zip(names, stacks)}
     return dp, dx, None, dw
 
 
 _routed_blocked.defvjp(_routed_blocked_fwd, _routed_blocked_bwd)
+
+
+# rows per block of the VJP's loop; None: `block_rows`' choice (tools: set to measure another size)
+BWD_BLOCK: int | None = None
+
+
+def bwd_block_rows(n_assign: int, n_experts: int) -> int:
+    """Row-block size of the blocked path's VJP: `BWD_BLOCK`, else the forward's (`block_rows`)."""
+    return BWD_BLOCK or block_rows(n_assign, n_experts)
 
 
 def routed_experts_blocked(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, limit: float | None,
