@@ -13,18 +13,27 @@ Two evaluations of the routed experts, same maths per (token, expert) row:
   weights only. Exact (no capacity, no dropping). `jax.lax.ragged_dot` would be the natural primitive, but on XLA:CPU
   (jax 0.10) it lowers to a dense masked product over all E groups (measured 26 s vs 0.12 s for one dense GEMM of the
   same rows at Ling3-Tiny T=512), so the blocks are done by hand.
+  Its backward is its own VJP (`jax.custom_vjp`, `_routed_blocked_bwd`): reverse-mode AD cannot go through the loop's
+  routing-dependent trip counts, and plain AD of a static-length form (issue 26) scattered every block's weight
+  gradient into the whole [E, ...] stacks (17.8x the twin's autograd at Ling3-Tiny MLA+MoE T=512). The VJP runs the
+  same blocks expert by expert and writes each expert's gradients once, accumulated in fp32; the forward it runs is
+  the same loop (`_expert_rows`), so the forward bits do not depend on whether a backward follows.
+
+The readable pair: `routed_experts_dense` and its plain-AD VJP (tests/test_jax_moe_blocked.py, test_jax_moe_vjp.py).
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from parity.jax_ling3 import ops
 from parity.jax_ling3.ops import dot_f32, linear, matmul_f32, silu
-from parity.jax_ling3.probes import differentiating, tap
+from parity.jax_ling3.probes import tap
 from parity.jax_ling3.spec import LayerSpec, ModelSpec
 
 F32 = jnp.float32
@@ -108,107 +117,206 @@ def block_rows(n_assign: int, n_experts: int) -> int:
     return int(min(32, max(8, b)))
 
 
-def routed_experts_blocked(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, limit: float | None,
-                           block: int | None = None) -> jnp.ndarray:
-    """Fast path, same result as `routed_experts_dense` (facts §5.5): only the selected experts are computed.
+class _Rows(NamedTuple):
+    """The blocked path's row layout (shared by its forward and its VJP): sorted row r holds assignment order[r] =
+    (token r // k, slot r % k); expert e owns sorted rows [seg_start[e], seg_start[e] + counts[e])."""
+    order: jnp.ndarray  # [A] int
+    tok: jnp.ndarray  # [A + Bs] token of each sorted row; Bs spare rows (token 0, discarded)
+    counts: jnp.ndarray  # [E]
+    seg_start: jnp.ndarray  # [E]
 
-    The A = N·k assignments are stably sorted by expert id; expert e owns sorted rows [start_e, start_e + count_e),
-    covered by ceil(count_e / Bs) blocks of Bs rows. A loop over the experts (skipping unused ones) upcasts the
-    expert's weights once and runs its blocks, [Bs, D] x [D, I] GEMMs written at their sorted rows. The last block
-    of an expert spills onto the next expert's first rows; experts run in ascending order, so the next expert's own
-    blocks overwrite them (the buffer has Bs spare rows for the last one). Rows are then put back
-    in (token, slot) order and summed with the fp32 weights in fp32, cast once.
 
-    The row buffer is fp32 and receives each block's outputs already rounded to the activation dtype (so it holds
+def _sort_rows(idx: jnp.ndarray, n_experts: int, Bs: int) -> _Rows:
+    k = idx.shape[-1]
+    e_flat = idx.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(e_flat, stable=True)
+    tok = jnp.concatenate([order // k, jnp.zeros((Bs,), order.dtype)])
+    counts = jnp.bincount(e_flat, length=n_experts)
+    return _Rows(order, tok, counts, jnp.cumsum(counts) - counts)
+
+
+def _up():
+    """The operand upcast of the expert GEMMs: none with native bf16 dots, else `_upcast_cpu` (bf16 -> fp32, exact)."""
+    return (lambda a: a) if ops.NATIVE_BF16_MATMUL else _upcast_cpu
+
+
+def _expert_rows(p: dict, x: jnp.ndarray, rows: _Rows, limit: float | None, Bs: int, save: bool):
+    """The blocked loop: every used expert's row blocks, [Bs, D] x [D, I] GEMMs with that expert's weights only.
+
+    A loop over the experts (skipping unused ones) upcasts the expert's weights once and runs its ceil(count/Bs)
+    blocks, written at their sorted rows. The last block of an expert spills onto the next expert's first rows;
+    experts run in ascending order, so the next expert's own blocks overwrite them (the buffer has Bs spare rows for
+    the last one). Returns ys [A+Bs, D], and with `save` also the rows' g and u [A+Bs, I] (the VJP's residuals).
+
+    The buffers are fp32 and receive each block's outputs already rounded to the activation dtype (so they hold
     exactly the dt values): XLA:CPU has no bf16 dynamic-update-slice, so a bf16 buffer was converted to fp32 and
     back in full on every block (3.3 ms per block, a third of the loop at Ling3-Tiny T=512, jax.profiler trace).
     tests/test_jax_moe_fast.py checks the compiled loop for that."""
     dt = x.dtype
-    N, D = x.shape
-    k = idx.shape[-1]
+    D, I = x.shape[-1], p["experts_gate"].shape[-1]
     E = p["experts_gate"].shape[0]
-    A = N * k
-    Bs = block or block_rows(A, E)
+    R = rows.tok.shape[0]
+    up = _up()
+    xs = up(x[rows.tok])  # once, not per block
 
-    e_flat = idx.reshape(A).astype(jnp.int32)
-    order = jnp.argsort(e_flat, stable=True)  # sorted row r holds assignment order[r] = (token r//k, slot r%k)
-    tok = jnp.concatenate([order // k, jnp.zeros((Bs,), order.dtype)])  # Bs spare rows (token 0, discarded)
-    xs = x[tok]  # [A+Bs, D]
-    counts = jnp.bincount(e_flat, length=E)
-    seg_start = jnp.cumsum(counts) - counts  # first sorted row of each expert
-    up = (lambda a: a) if ops.NATIVE_BF16_MATMUL else _upcast_cpu  # native bf16 dots need no fp32 copies
-    xs = up(xs)  # once, not per block
-
-    def expert_body(e, buf):  # one used expert: (upcast its weights once, then) its ceil(count/Bs) row blocks
+    def expert_body(e, bufs):  # one used expert: (upcast its weights once, then) its ceil(count/Bs) row blocks
         wg, wu, wd = (up(p[n][e].astype(dt)) for n in ("experts_gate", "experts_up", "experts_down"))
 
-        def block_body(j, buf):
-            r0 = seg_start[e] + j * Bs
+        def block_body(j, bufs):
+            r0 = rows.seg_start[e] + j * Bs
             xb = jax.lax.dynamic_slice_in_dim(xs, r0, Bs)
             g = matmul_f32(xb, wg).astype(dt)
             u = matmul_f32(xb, wu).astype(dt)
             y = matmul_f32(up(swiglu(g, u, limit)), wd).astype(dt)
-            return jax.lax.dynamic_update_slice_in_dim(buf, y.astype(F32), r0, axis=0)
+            return tuple(jax.lax.dynamic_update_slice_in_dim(b, v.astype(F32), r0, axis=0)
+                         for b, v in zip(bufs, (y, g, u) if save else (y,)))
 
-        return jax.lax.fori_loop(0, (counts[e] + Bs - 1) // Bs, block_body, buf)
+        return jax.lax.fori_loop(0, (rows.counts[e] + Bs - 1) // Bs, block_body, bufs)
 
-    def maybe_expert(e, buf):
-        return jax.lax.cond(counts[e] > 0, expert_body, lambda e, buf: buf, e, buf)
+    def maybe_expert(e, bufs):
+        return jax.lax.cond(rows.counts[e] > 0, expert_body, lambda e, bufs: bufs, e, bufs)
 
-    ys = jax.lax.fori_loop(0, E, maybe_expert, jnp.zeros((A + Bs, D), F32))
-    inv = jnp.argsort(order)  # assignment -> sorted row
-    y = ys[inv].reshape(N, k, D)  # fp32 holding dt values
+    bufs = (jnp.zeros((R, D), F32),) + ((jnp.zeros((R, I), F32), jnp.zeros((R, I), F32)) if save else ())
+    bufs = jax.lax.fori_loop(0, E, maybe_expert, bufs)
+    return bufs if save else bufs[0]
+
+
+def _combine(ys: jnp.ndarray, rows: _Rows, w: jnp.ndarray, dt) -> jnp.ndarray:
+    """Rows back in (token, slot) order, summed with the fp32 weights in fp32, cast once (facts §5.5)."""
+    N, k = w.shape
+    y = ys[jnp.argsort(rows.order)].reshape(N, k, -1)  # fp32 holding dt values
     return jnp.einsum("nkd,nk->nd", y, w.astype(F32), precision=HI).astype(dt)
 
 
-def routed_experts_blocked_static(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, limit: float | None,
-                                  block: int | None = None) -> jnp.ndarray:
-    """`routed_experts_blocked` with a static trip count, so reverse-mode AD can go through it (issue 26): the same
-    row blocks, the same per-block GEMMs and the same write order (experts ascending, blocks ascending within an
-    expert), run as one `lax.scan` over a static upper bound of blocks, A // Bs + E + 1 (each used expert wastes < 1
-    block). Block j's expert and first row come from a block table built from the counts; blocks past the last used
-    one write into the Bs spare rows (discarded). Same bits as the blocked loop (tests/test_backward_replay.py)."""
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _routed_blocked(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, limit: float | None, Bs: int):
+    rows = _sort_rows(idx, p["experts_gate"].shape[0], Bs)
+    return _combine(_expert_rows(p, x, rows, limit, Bs, save=False), rows, w, x.dtype)
+
+
+def _routed_blocked_fwd(p, x, idx, w, limit, Bs):
+    rows = _sort_rows(idx, p["experts_gate"].shape[0], Bs)
+    ys, gs, us = _expert_rows(p, x, rows, limit, Bs, save=True)  # the same blocks, the same ys bits
+    return _combine(ys, rows, w, x.dtype), (p, x, idx, w, rows, ys, gs, us)
+
+
+def _routed_blocked_bwd(limit, Bs, res, dout):
+    """The VJP of the blocked path, expert by expert: each used expert's row blocks accumulate its three weight
+    gradients in fp32, written once into the gradient stacks, rounded once.
+
+    Per row it is the VJP plain AD takes through the forward's roundings: the row's output cotangent is
+    dt(dout · w) (the cotangent of the dt expert output), dh = dt(dy · Wd^T), (dg, du) = swiglu's own VJP, the
+    row's input cotangent [dg du] · [Wg Wu]^T in fp32 (gate and up as one GEMM). The rows of a token are summed in
+    fp32 and cast once. A block's rows past its expert's count (the spill onto the next expert) get a zero
+    cotangent, and their dx rows are overwritten by the next expert's blocks, as in the forward. An expert's rows
+    run as full blocks of `bwd_block_rows` rows and one tail block of the next multiple of 8 rows (a `lax.switch`
+    over static sizes), so padding wastes < 8 rows per expert, not < Bb (at Ling3-Tiny T=512, 32 rows per expert on
+    average, a 32-row tail wasted a third of the rows). The gradients' fp32 sums, not the forward's bits, depend on
+    the block sizes. Readable reference: plain AD of
+    `routed_experts_dense` (tests/test_jax_moe_vjp.py)."""
+    p, x, idx, w, rows, ys, gs, us = res
     dt = x.dtype
     N, D = x.shape
     k = idx.shape[-1]
-    E = p["experts_gate"].shape[0]
+    E, _, I = p["experts_gate"].shape
     A = N * k
-    Bs = block or block_rows(A, E)
-    e_flat = idx.reshape(A).astype(jnp.int32)
-    order = jnp.argsort(e_flat, stable=True)
-    tok = jnp.concatenate([order // k, jnp.zeros((Bs,), order.dtype)])
-    # the same values as `_upcast_cpu`'s bit shift (bf16 -> fp32 is exact), but a convert, which AD goes through
-    up = (lambda a: a) if ops.NATIVE_BF16_MATMUL else (
-        lambda a: a.astype(F32) if a.dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else a)
-    xs = up(x[tok])
-    counts = jnp.bincount(e_flat, length=E)
-    seg_start = jnp.cumsum(counts) - counts
-    nblk = (counts + Bs - 1) // Bs
-    blk_end = jnp.cumsum(nblk)  # blocks of experts 0..e
-    NB = A // Bs + E + 1
-    j = jnp.arange(NB)
-    e_j = jnp.minimum(jnp.searchsorted(blk_end, j, side="right"), E - 1).astype(jnp.int32)
-    valid = j < blk_end[-1]
-    r0 = jnp.where(valid, seg_start[e_j] + (j - (blk_end[e_j] - nblk[e_j])) * Bs, A)  # spare rows when past the end
+    Bb = bwd_block_rows(A, E)
+    R = A + Bb  # Bb spare rows for the last expert's spill
+    tail_sizes = tuple(range(8, Bb + 1, 8)) if Bb % 8 == 0 else (Bb,)
+    up = _up()
+    dout_f = dout.astype(F32)
+    inv = jnp.argsort(rows.order)
+    dw = jnp.einsum("nd,nkd->nk", dout_f, ys[inv].reshape(N, k, D), precision=HI).astype(w.dtype)
+    dy = (dout_f[:, None, :] * w.astype(F32)[:, :, None]).astype(dt).reshape(A, D)
 
-    # each block's expert weights gathered once, outside the loop: the gather's VJP is one scatter-add into the expert
-    # stacks, where indexing the stacks inside the loop made every step's VJP add into a full [E, ...] gradient
-    # (Ling3-Tiny MLA+MoE at T=128: 32.5 s a backward)
-    wblk = tuple(p[n][e_j] for n in ("experts_gate", "experts_up", "experts_down"))
+    def padded(a, rows_in_order):
+        return jnp.concatenate([rows_in_order, jnp.zeros((R - rows_in_order.shape[0],) + a.shape[1:], a.dtype)])
 
-    def body(buf, blk):
-        r, w3 = blk
-        wg, wu, wd = (up(a.astype(dt)) for a in w3)
-        xb = jax.lax.dynamic_slice_in_dim(xs, r, Bs)
-        g = matmul_f32(xb, wg).astype(dt)
-        u = matmul_f32(xb, wu).astype(dt)
-        y = matmul_f32(up(swiglu(g, u, limit)), wd).astype(dt)
-        return jax.lax.dynamic_update_slice_in_dim(buf, y.astype(F32), r, axis=0), None
+    dys = up(padded(dy, dy[rows.order]))
+    xs = up(jnp.concatenate([x[rows.tok[:A]], jnp.zeros((Bb, D), dt)]))
+    gus = jnp.concatenate([gs[:A], us[:A]], axis=1)  # [A, 2I] fp32 holding dt values
+    gus = padded(gus, gus)
+    names = ("experts_gate", "experts_up", "experts_down")
+    # gradient stacks as integer bits when 2-byte (XLA:CPU has no bf16 dynamic-update-slice: see `_expert_rows`)
+    bits = {n: jnp.uint16 if p[n].dtype.itemsize == 2 else None for n in names}
+    stack0 = tuple(jnp.zeros(p[n].shape, bits[n] or p[n].dtype) for n in names)
 
-    ys, _ = jax.lax.scan(body, jnp.zeros((A + Bs, D), F32), (r0, wblk))
-    inv = jnp.argsort(order)
-    y = ys[inv].reshape(N, k, D)
-    return jnp.einsum("nkd,nk->nd", y, w.astype(F32), precision=HI).astype(dt)
+    def put(stack, e, g, n):
+        g = g.astype(p[n].dtype)
+        if bits[n] is not None:
+            g = jax.lax.bitcast_convert_type(g, bits[n])
+        return jax.lax.dynamic_update_index_in_dim(stack, g, e, axis=0)
+
+    def swiglu_split(gu):
+        return swiglu(gu[:, :I], gu[:, I:], limit)
+
+    def expert_body(e, carry):
+        dxs, stacks = carry
+        wgu = up(jnp.concatenate([p["experts_gate"][e], p["experts_up"][e]], axis=1).astype(dt))  # [D, 2I]
+        wd = up(p["experts_down"][e].astype(dt))
+
+        c = rows.counts[e]
+        n_full = c // Bb
+        rem = c - n_full * Bb
+
+        def block(size, off, dxs):  # `size` rows from the expert's row `off`: weight-gradient terms, dxs written
+            r0 = rows.seg_start[e] + off
+            valid = (off + jnp.arange(size)) < c
+            xb = jax.lax.dynamic_slice_in_dim(xs, r0, size)
+            gub = jax.lax.dynamic_slice_in_dim(gus, r0, size).astype(dt)
+            dyb = jnp.where(valid[:, None], jax.lax.dynamic_slice_in_dim(dys, r0, size), 0)
+            h, swiglu_vjp = jax.vjp(swiglu_split, gub)
+            dgu = up(swiglu_vjp(matmul_f32(dyb, wd.T).astype(dt))[0])  # [size, 2I]
+            dxs = jax.lax.dynamic_update_slice_in_dim(dxs, matmul_f32(dgu, wgu.T), r0, axis=0)
+            return matmul_f32(xb.T, dgu), matmul_f32(up(h).T, dyb), dxs
+
+        def tail(off, dxs):  # the last rem < Bb rows, in the smallest block of a multiple of 8 rows that holds them
+            which = jnp.clip((rem + 7) // 8 - 1, 0, len(tail_sizes) - 1)
+            return jax.lax.switch(which, [partial(block, t) for t in tail_sizes], off, dxs)
+
+        def add(acc, part):
+            return acc[0] + part[0], acc[1] + part[1], part[2]
+
+        # the first block outside the accumulating loop: an expert with one block (most, at T <= 512) adds nothing
+        acc = jax.lax.cond(n_full > 0, lambda d: block(Bb, 0, d), lambda d: tail(0, d), dxs)
+        acc = jax.lax.fori_loop(1, n_full, lambda j, a: add(a, block(Bb, j * Bb, a[2])), acc)
+        agu, ad, dxs = jax.lax.cond((n_full > 0) & (rem > 0), lambda a: add(a, tail(n_full * Bb, a[2])),
+                                    lambda a: a, acc)
+        grads = (agu[:, :I], agu[:, I:], ad)
+        return dxs, tuple(put(s, e, a, n) for s, a, n in zip(stacks, grads, names))
+
+    def maybe_expert(e, carry):
+        return jax.lax.cond(rows.counts[e] > 0, expert_body, lambda e, c: c, e, carry)
+
+    dxs, stacks = jax.lax.fori_loop(0, E, maybe_expert, (jnp.zeros((R, D), F32), stack0))
+    dx = jnp.sum(dxs[:A][inv].reshape(N, k, D), axis=1).astype(dt)
+    dp = {n: jax.lax.bitcast_convert_type(s, p[n].dtype) if bits[n] is not None else s
+          for n, s in zip(names, stacks)}
+    return dp, dx, None, dw
+
+
+_routed_blocked.defvjp(_routed_blocked_fwd, _routed_blocked_bwd)
+
+
+# rows per block of the VJP's loop; None: `block_rows`' choice (tools: set to measure another size)
+BWD_BLOCK: int | None = None
+
+
+def bwd_block_rows(n_assign: int, n_experts: int) -> int:
+    """Row-block size of the blocked path's VJP: `BWD_BLOCK`, else the forward's (`block_rows`)."""
+    return BWD_BLOCK or block_rows(n_assign, n_experts)
+
+
+def routed_experts_blocked(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, limit: float | None,
+                           block: int | None = None) -> jnp.ndarray:
+    """Fast path, same result as `routed_experts_dense` (facts §5.5): only the selected experts are computed.
+
+    The A = N·k assignments are stably sorted by expert id and cut into row blocks of Bs rows (`block_rows`), one
+    expert's rows per block (`_expert_rows`). Exact (no capacity, no dropping). Differentiable through its own VJP
+    (`_routed_blocked_bwd`: reverse-mode AD cannot go through the loop's routing-dependent trip counts, and plain AD
+    of a static-length form scattered every block's gradient into the whole expert stacks)."""
+    Bs = block or block_rows(idx.size, p["experts_gate"].shape[0])
+    return _routed_blocked({n: p[n] for n in ("experts_gate", "experts_up", "experts_down")}, x, idx, w, limit, Bs)
 
 
 def _upcast_cpu(a: jnp.ndarray) -> jnp.ndarray:
@@ -232,10 +340,6 @@ def routed_experts(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, li
     p: experts_gate/up [E,D,I], experts_down [E,I,D]; x [N,D]; idx/w [N,k]. Dispatches on `ROUTED_IMPL`."""
     if ROUTED_IMPL == "dense":
         return routed_experts_dense(p, x, idx, w, limit)
-    if differentiating():
-        # the blocked loop's trip counts depend on the routing (a while loop), which reverse-mode AD cannot go through
-        # (issue 26): a backward trace runs the same blocks with a static trip count
-        return routed_experts_blocked_static(p, x, idx, w, limit)
     return routed_experts_blocked(p, x, idx, w, limit)
 
 

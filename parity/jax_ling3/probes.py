@@ -31,8 +31,8 @@ def probing(probes: dict | None):
 
 
 def differentiating() -> bool:
-    """Whether a probed (backward) trace is running: code with a form reverse-mode AD cannot go through (the blocked
-    routed-expert loop, moe.py) takes its differentiable form then."""
+    """Whether a probed (backward) trace is running: code with a form reverse-mode AD cannot go through can take a
+    differentiable form then (the reference needs none: its blocked routed-expert loop has its own VJP, moe.py)."""
     return _ACTIVE is not None
 
 

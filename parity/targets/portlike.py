@@ -637,8 +637,8 @@ def _bwd(graphdef, params, x, cot, meta, pool, forced, statics):
         out, _ = block(h, {**meta, "cu": cu, "prefix": prefix, "extend": extend}, pool, forced)
         return out, {}
 
-    # an empty probe dict: no probes, but the shared MoE code takes its differentiable routed-expert form
-    # (parity.jax_ling3.probes.differentiating; the blocked loop's routing-dependent trip count has no VJP)
+    # an empty probe dict: no probes (the shared MoE code's blocked loop has its own VJP, moe._routed_blocked_bwd;
+    # parity.jax_ling3.probes.differentiating stays for code that needs another form while differentiating)
     with probing({}):
         dh, dp, _, _ = layer_vjp(fn, params, x, cot)
     return dh, dp
