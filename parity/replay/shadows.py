@@ -22,6 +22,11 @@ The kinds (in the order the judge asks them):
 - `variant` — the named-variant shadow (parity.numerics.variants): where the target's input norm (or final norm)
   matched a named variant, the reference computing that variant; points downstream in the layer (the logits for
   the final norm) that it matches are `variant` (inherited).
+- `precision` — the high-precision shadow (the three-way verdict, parity_anchors §6b): the reference in fp32 on the
+  same bf16 weights and teacher-forced inputs (`HighPrecision`, lazy: run only for a layer where a bf16 point fails).
+  A failing bf16 point whose error against it is at most the rule's `precision_ratio` × the dump's own error against
+  it is `variant` more-precise-than-reference (e.g. XLA's default excess precision); a target less precise than the
+  dump still fails, its record saying by how much (`precision` entry).
 
 Adding a kind (e.g. a dot-precision shadow: the reference whose dots run one bf16 pass): write its reference
 configuration as a `ShadowPool.target` key and factory, run it from `LayerShadows` (or lazily, from the payload)
@@ -37,11 +42,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from parity.model.points import Point
+from parity.model.points import Point, mtp_site
 from parity.numerics.variants import HF_RMSNORM
 from parity.replay.records import Observation, PointRecord, Status
 
-SEMANTIC, VARIANT = "semantic", "variant"
+SEMANTIC, VARIANT, PRECISION = "semantic", "variant", "precision"
 
 
 # ------------------------------------------------------------------------------------------------ reference targets
@@ -94,10 +99,19 @@ class ShadowPool:
         a, b = s.fork_options("dump"), s.fork_options("intended")
         return layer_spec(s.config, i, s.dtype, **a) != layer_spec(s.config, i, s.dtype, **b)
 
+    def high_precision(self) -> "HighPrecision":
+        """The session's lazy high-precision (fp32) shadow (kind `precision`)."""
+        if getattr(self, "_precision", None) is None:
+            self._precision = HighPrecision(self.session)
+        return self._precision
+
     def targets(self) -> list:
         return list(self._built.values())
 
     def clear(self) -> None:
+        if getattr(self, "_precision", None) is not None:
+            self._precision.release()
+            self._precision = None
         self._built.clear()
 
 
@@ -172,6 +186,9 @@ class LayerShadows:
             payloads[SEMANTIC] = self._run_forks(c)
         if self.variant is not None:
             payloads[VARIANT] = self._run_variant(c)
+        # lazy: the high-precision shadow runs only where the judge asks (a failing point of a bf16 run)
+        at = lambda site: precision_payload(self.s, Point(c.phase, c.step, self.i, site)).get(PRECISION)  # noqa: E731
+        payloads[PRECISION] = {forced: at for forced in ([False, True] if c.forced_pts is not None else [False])}
         out: dict[bool, dict] = {}
         for name, by_run in payloads.items():
             for forced, at in by_run.items():
@@ -321,7 +338,6 @@ def _explain_variant(session, obs: Observation, ref: np.ndarray, test: np.ndarra
     return PointRecord(obs.point, Status.VARIANT, stats=stats, reason=why, message=f"{obs.point.key()}: {why}")
 
 
-KINDS: tuple[Kind, ...] = (Kind(SEMANTIC, _explain_semantic), Kind(VARIANT, _explain_variant))
 
 
 def explain(session, obs: Observation, ref: np.ndarray, test: np.ndarray, rule, stats: dict) -> PointRecord | None:
@@ -344,3 +360,216 @@ def rmsnorm_variant_record(point: Point, variant, stats: dict, strict: bool) -> 
            f"computes {HF_RMSNORM} (every element inside that formula's rounding bracket; "
            f"{variant.seen}); counted as passing (--parity-strict-variants fails it)")
     return PointRecord(point, Status.VARIANT, stats=stats, reason=why, message=f"{point.key()}: {why}")
+
+
+# ------------------------------------------------------------------------------------------------ high precision
+MORE_PRECISE = "more-precise-than-reference"
+PRECISION_SHADOW_DTYPE = "float32"
+
+
+class HighPrecision:
+    """The high-precision shadow (kind `precision`, parity_anchors §6b): the reference computing in fp32 on the same
+    bf16 weights (upcast exactly) and the same teacher-forced inputs as the replay — a layer fed its dumped `input` at
+    every step (its own fp32 decode state carried from the dumped prefill), routing forced to the dumped top-k; its
+    backward phase fed the dumped input and output cotangent; the head fed the dumped last-layer output; an MTP layer
+    fed the dumped `MTP{j}/embed` and `final_norm`. Lazy: a unit (layer, MTP layer, head) is run only when one of its
+    points fails (`point`), and one unit is held at a time (a replay visits them in order)."""
+
+    def __init__(self, session) -> None:
+        self.s = session
+        self.unit: tuple | None = None
+        self.steps: dict[tuple[str, int], dict] = {}
+        self.state: Any = None
+        self.grads: dict | None = None
+
+    def _target(self):
+        from parity.targets.reference import ReferenceTarget
+
+        return self.s.shadows.target("high-precision", lambda: ReferenceTarget(**self.s.fork_options("dump")),
+                                     dtype=PRECISION_SHADOW_DTYPE)
+
+    def _hold(self, unit: tuple) -> None:
+        if self.unit == unit:
+            return
+        t = self._target()
+        self.release()
+        kind, n = unit
+        if kind in ("model", "mtp") and getattr(t, "globals", None) is None:
+            self.s.call("load_globals (fp32 shadow)", t.load_globals, self.s.ckpt.hf_global_tensors())
+        if kind == "layer":
+            self.s.call(f"layer {n}: load_layer (fp32 shadow)", t.load_layer, n, self.s.ckpt.hf_tensors(n))
+        elif kind == "mtp":
+            self.s.call(f"MTP{n}: load_mtp (fp32 shadow)", t.load_mtp, n, self.s.ckpt.mtp_hf_tensors(n))
+        self.unit = unit
+
+    def point(self, pt: Point) -> np.ndarray | None:
+        """The shadow's array at a point (None where it has none: embed, a step whose dumped inputs are absent)."""
+        m = mtp_site(pt.site)
+        if m is not None:
+            unit, site = ("mtp", m[0]), m[1]
+        elif pt.layer is None:
+            unit, site = ("model", None), pt.site
+        else:
+            unit, site = ("layer", pt.layer), pt.site
+        self._hold(unit)
+        if pt.phase == "backward":
+            return self._backward().get(site) if unit[0] == "layer" else None
+        key = (pt.phase, pt.step)
+        if unit[0] == "model":
+            if key not in self.steps:
+                self.steps[key] = self._head(*key)
+            return self.steps[key].get(site)
+        for ph, st in self.s.steps():  # a layer's steps in order: each carries the previous step's state
+            if key in self.steps:
+                break
+            if (ph, st) not in self.steps and not self._forward(ph, st):
+                return None
+        return self.steps.get(key, {}).get(site)
+
+    def _positions(self, phase: str, step: int, T: int) -> np.ndarray:
+        P = int(self.s.dump.prompt_len)
+        return np.arange(T) if phase == "prefill" else np.arange(P + step - 1, P + step - 1 + T)
+
+    def _forward(self, phase: str, step: int) -> bool:
+        kind, n = self.unit
+        dump, t = self.s.dump, self._target()
+        if kind == "layer":
+            inp = Point(phase, step, n, "input")
+            if not dump.has(inp):
+                return False
+            hidden = dump.read(inp)
+            r = self.s.call(f"layer {n} {phase} step {step}: layer_forward (fp32 shadow)", t.layer_forward, n, hidden,
+                            self._positions(phase, step, hidden.shape[1]), self.state,
+                            forced_topk=_dumped_topk(self.s, Point(phase, step, n, "mlp.gate.topk_idx")))
+            self.state = r.state
+            self.steps[(phase, step)] = layer_points(r, hidden)
+            return True
+        feeds = [Point(phase, step, None, f"MTP{n}/embed"), Point(phase, step, None, "final_norm")]
+        if not all(dump.has(p) for p in feeds):
+            return False
+        emb, hidden = dump.read(feeds[0]), dump.read(feeds[1])
+        r = self.s.call(f"MTP{n} {phase} step {step}: mtp_forward (fp32 shadow)", t.mtp_forward, n, emb, hidden,
+                        self._positions(phase, step, hidden.shape[1]), self.state,
+                        forced_topk=_dumped_topk(self.s, Point(phase, step, None, f"MTP{n}/mlp.gate.topk_idx")))
+        self.state = r.state
+        pts = dict(r.points)
+        pts.setdefault("final_layernorm", r.output)
+        out = Point(phase, step, None, f"MTP{n}/final_layernorm")
+        if dump.has(out):
+            pts["logits"] = self.s.call(f"MTP{n} {phase} step {step}: mtp_head (fp32 shadow)", t.mtp_head,
+                                        dump.read(out))
+        self.steps[(phase, step)] = pts
+        return True
+
+    def _head(self, phase: str, step: int) -> dict:
+        last = Point(phase, step, self.s.config.num_hidden_layers - 1, "output")
+        if not self.s.dump.has(last):
+            return {}
+        return dict(self.s.call(f"model {phase} step {step}: head (fp32 shadow)", self._target().head,
+                                self.s.dump.read(last)))
+
+    def _backward(self) -> dict:
+        if self.grads is None:
+            n, dump = self.unit[1], self.s.dump
+            feeds = [Point("prefill", 0, n, "input"), Point("backward", 0, n, "output")]
+            if not all(dump.has(p) for p in feeds):
+                self.grads = {}
+                return self.grads
+            hidden, cot = dump.read(feeds[0]), dump.read(feeds[1])
+            res = self.s.call(f"layer {n} backward: layer_backward (fp32 shadow)", self._target().layer_backward, n,
+                              hidden, np.arange(hidden.shape[1]), cot.astype(np.float32),
+                              forced_topk=_dumped_topk(self.s, Point("prefill", 0, n, "mlp.gate.topk_idx")))
+            self.grads = {**res.points, "input": res.input_grad,
+                          **{f"grad.{k}": v for k, v in res.param_grads.items()}}
+        return self.grads
+
+    def release(self) -> None:
+        """Unload the held unit (the shadow's target stays built)."""
+        if self.unit is not None:
+            t = self._target()
+            kind, n = self.unit
+            if kind == "layer":
+                t.unload_layer(n)
+            elif kind == "mtp":
+                t.unload_mtp(n)
+        self.unit, self.steps, self.state, self.grads = None, {}, None, None
+
+
+def _dumped_topk(s, p: Point):
+    return s.dump.read(p).astype(np.int32) if s.dump.has(p) else None
+
+
+class PrecisionPayload:
+    """What an observation carries for the `precision` kind: the point, and the session's lazy shadow."""
+
+    def __init__(self, shadow: HighPrecision, point: Point) -> None:
+        self.shadow, self.point = shadow, point
+
+    def array(self) -> np.ndarray | None:
+        return self.shadow.point(self.point)
+
+
+def precision_payload(session, point: Point) -> dict:
+    """The `precision` payload of a point in `layer` / `forced` mode ({} elsewhere, and for a dump not computed in
+    bf16): the shadow is run only if the judge asks (a point that fails)."""
+    if session.mode not in ("layer", "forced") or session.dtype != "bfloat16":
+        return {}
+    return {PRECISION: PrecisionPayload(session.shadows.high_precision(), point)}
+
+
+def l2_error(a: np.ndarray, shadow: np.ndarray) -> float:
+    """||a − shadow||₂ in float64 over the elements where the shadow is finite (a non-finite `a` there: inf)."""
+    h = np.asarray(shadow).astype(np.float64)
+    x = np.asarray(a).astype(np.float32).astype(np.float64)
+    fin = np.isfinite(h)
+    d = x[fin] - h[fin]
+    return float(np.sqrt(np.sum(d * d))) if np.isfinite(d).all() else float("inf")
+
+
+def precision_entry(ref: np.ndarray, test: np.ndarray, shadow: np.ndarray, allowed: float | None) -> dict:
+    """The report entry of the three-way verdict: the target's and the dump's error against the shadow (rel-L2 to
+    the shadow's norm), their ratio and the allowed ratio; `more_precise` where ratio ≤ allowed."""
+    e_t, e_d = l2_error(test, shadow), l2_error(ref, shadow)
+    norm = l2_error(np.zeros_like(np.asarray(shadow, np.float32)), shadow) or 1.0
+    ratio = 0.0 if e_t == 0 else (float("inf") if e_d == 0 else e_t / e_d)
+    return {"shadow": PRECISION_SHADOW_DTYPE, "error": e_t / norm, "dump_error": e_d / norm, "ratio": ratio,
+            "allowed_ratio": allowed, "more_precise": allowed is not None and ratio <= allowed}
+
+
+def _explain_precision(session, obs: Observation, ref: np.ndarray, test: np.ndarray, rule, stats: dict):
+    """`variant` more-precise-than-reference (the three-way verdict, parity_anchors §6b): a bf16 point that fails
+    against the dump (HF bf16) but whose error against the fp32 shadow is no worse than `precision_ratio` × the dump's
+    own error against it — the target keeps more precision than the reference (e.g. XLA's default excess precision
+    skipping f32→bf16→f32 round trips). A target less precise than the dump still fails, the entry saying by how
+    much. Off under --parity-strict-variants and where the rule sets no ratio."""
+    h = obs.shadows.get(PRECISION)
+    if h is None or ref.dtype.kind != "f" and ref.dtype.name != "bfloat16" or rule.precision_ratio is None:
+        return None
+    if getattr(session, "strict_variants", False):
+        return None
+    arr = h.array()
+    if arr is None:
+        return None
+    arr = np.asarray(arr)
+    if obs.transform is not None:  # the shadow is a reference: its array takes the dump's transform
+        arr, _ = obs.transform.apply(arr, test)
+    if arr.shape != test.shape:
+        return None
+    entry = precision_entry(ref, test, arr, rule.precision_ratio)
+    stats["precision"] = entry
+    if not entry["more_precise"]:
+        return None
+    stats["variant"] = PRECISION_VARIANT
+    why = (f"more precise than the reference: fails against the dump, but its error against the fp32 shadow "
+           f"(rel-L2 {entry['error']:.3g}) is {entry['ratio']:.3g}× the dump's own ({entry['dump_error']:.3g}), "
+           f"allowed ≤ {rule.precision_ratio:g} (counted as passing; --parity-strict-variants fails it)")
+    return PointRecord(obs.point, Status.VARIANT, stats=stats, reason=why, message=f"{obs.point.key()}: {why}")
+
+
+PRECISION_VARIANT = {"name": MORE_PRECISE, "formula": "the reference's formula with fewer bf16 roundings",
+                     "seen": "XLA's default xla_allow_excess_precision=true (skips f32→bf16→f32 round trips); "
+                             "kernels keeping fp32 intermediates"}
+
+
+KINDS: tuple[Kind, ...] = (Kind(SEMANTIC, _explain_semantic), Kind(VARIANT, _explain_variant),
+                           Kind(PRECISION, _explain_precision))

@@ -28,9 +28,10 @@ from parity.model.config import MLA_NORM_EPS
 from parity.model.points import Point, layer_graph, mtp_site, sites_for_config
 from parity.replay.records import Observation
 from parity.replay.session import Session
-from parity.replay.shadows import LayerShadows, StepContext, head_variant, layer_points
+from parity.replay.shadows import LayerShadows, StepContext, head_variant, layer_points, precision_payload
 
-ROUTER_DOWNSTREAM = ("mlp.gate.topk_weight", "mlp.routed", "mlp", "output")
+# an MTP layer's block output and its norm (`final_layernorm:in`, `final_layernorm`) follow its routing too
+ROUTER_DOWNSTREAM = ("mlp.gate.topk_weight", "mlp.routed", "mlp", "output", "final_layernorm:in", "final_layernorm")
 
 
 def _read(s: Session, p: Point) -> np.ndarray | None:
@@ -146,9 +147,11 @@ def observe_model_points(s: Session) -> Iterator[Observation]:
                                            head.get("final_norm"))
             for site in ("final_norm", "logits"):
                 pt = Point(phase, step, None, site)
+                shadows = precision_payload(s, pt)
+                if site == "logits" and vshadow:
+                    shadows["variant"] = vshadow
                 yield Observation(pt, _read(s, pt), head.get(site), s.mode,
-                                  rounding=check if site == "final_norm" else None,
-                                  shadows={"variant": vshadow} if site == "logits" and vshadow else {})
+                                  rounding=check if site == "final_norm" else None, shadows=shadows)
     yield from observe_backward_model(s)
 
 
@@ -361,7 +364,7 @@ def observe_backward_layer(s: Session, i: int) -> Iterator[Observation]:
     why_absent = getattr(res, "missing", None) or {}
     for pt in pts:
         yield Observation(pt, _read(s, pt), test.get(pt.site), s.mode, forced=False,
-                          why_absent=why_absent.get(pt.site))
+                          why_absent=why_absent.get(pt.site), shadows=precision_payload(s, pt))
 
 
 def observe_backward_model(s: Session) -> Iterator[Observation]:
@@ -483,8 +486,10 @@ def observe_mtp(s: Session, j: int) -> Iterator[Observation]:
             forced_pts = None
             if (not forcing and ref_topk is not None and can_force
                     and _routing_differs(pts.get("mlp.gate.topk_idx"), ref_topk)):
-                forced_pts = dict(s.call(f"{where}: mtp_forward (forced routing)", s.target.mtp_forward, j, emb,
-                                         hidden, positions, prev_state, forced_topk=ref_topk).points)
+                fr = s.call(f"{where}: mtp_forward (forced routing)", s.target.mtp_forward, j, emb, hidden,
+                            positions, prev_state, forced_topk=ref_topk)
+                forced_pts = dict(fr.points)
+                forced_pts.setdefault("final_layernorm", fr.output)
             tf = getattr(res, "transforms", None) or {}
             why = getattr(res, "missing", None) or {}
             # enorm / hnorm are fed the dumped embedding and final norm: their rounding check holds (facts §2, §6)
@@ -494,10 +499,11 @@ def observe_mtp(s: Session, j: int) -> Iterator[Observation]:
                 p = pt(phase, step, site)
                 ref = _read(s, p)
                 yield Observation(p, ref, pts.get(site), s.mode, positions=positions, expert_bias=bias,
-                                  transform=tf.get(site), why_absent=why.get(site), rounding=rounding.get(site))
+                                  transform=tf.get(site), why_absent=why.get(site), rounding=rounding.get(site),
+                                  shadows=precision_payload(s, p))
                 if forced_pts is not None and site in ROUTER_DOWNSTREAM:
                     yield Observation(p, ref, forced_pts.get(site), s.mode, forced=True, positions=positions,
-                                      expert_bias=bias, transform=tf.get(site))
+                                      expert_bias=bias, transform=tf.get(site), shadows=precision_payload(s, p))
     finally:
         s.target.unload_mtp(j)
 
