@@ -40,7 +40,7 @@ def test_shipped_files_are_what_the_stored_measurements_give(stored):
     output on the stored measurements: nothing edited by hand, nothing stale."""
     meas, noise_meta, ex_meta = stored
     files, _ = P.derive(meas, noise_meta, ex_meta, "python tools/calibrate.py rules", kernels=P.load_kernels(ROOT / P.MEASURED),
-                        grads=P.load_grads(ROOT / P.MEASURED))
+                        grads=P.load_grads(ROOT / P.MEASURED), precision=P.load_precision(ROOT / P.MEASURED))
     assert sorted(map(str, files)) == sorted(map(str, [P.CALIBRATION, P.MEASURED / "calibration.md",
                                                        P.MEASURED / "measurements.json"]))
     stale = [str(rel) for rel, text in files.items() if (ROOT / rel).read_text(encoding="utf-8") != text]

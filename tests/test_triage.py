@@ -76,8 +76,12 @@ def test_one_run_of_an_fp32_and_a_bf16_dump_triages_a_port(tmp_path):
         t = rep["triage"]
         assert t["first_semantic"]["site"] == "mlp.gate.topk_weight" and t["first_semantic"]["layer"] == 1
         assert (t["first_precision"]["layer"], t["first_precision"]["site"]) == (0, "attention.q_conv1d")
-        assert [v["name"] for v in t["variants"]] == ["rmsnorm-single-rounding"]
-        assert "L00/input_layernorm" in t["variants"][0]["sites"]
+        # the three-way verdict (issue 31) may accept points downstream of the bf16 conv whose inherited error is no
+        # larger than a correct port's (docs/numerics.md, margins); the conv sites themselves stay `precision`
+        named = {v["name"]: v for v in t["variants"]}
+        assert set(named) <= {"rmsnorm-single-rounding", "more-precise-than-reference"} and named, named
+        assert "L00/input_layernorm" in named["rmsnorm-single-rounding"]["sites"]
+        assert not any("q_conv1d" in s for s in named.get("more-precise-than-reference", {}).get("sites", []))
         assert "## Triage (fp32 + bf16)" in (tmp_path / name / "report.md").read_text()
     bf16 = json.loads((tmp_path / "tiny-bf16" / "report.json").read_text())
     assert bf16["first_divergence"]["site"] != "input_layernorm"  # a variant is never the first divergence

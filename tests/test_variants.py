@@ -157,7 +157,7 @@ def test_variant_shadow_explains_only_what_the_variant_gives(monkeypatch):
     variant still fails, with the source at the bug's site, not at the variant."""
     from parity.model.config import Ling3Config
     from parity.replay import run_replay
-    from parity.replay.session import Session
+    from parity.replay.shadows import ShadowPool
     from parity.targets.mutants import PlantedFusedScaleNorm
 
     dump = ROOT / "dumps" / "tiny-bf16.h5"
@@ -168,7 +168,7 @@ def test_variant_shadow_explains_only_what_the_variant_gives(monkeypatch):
     assert (src["phase"], src["layer"], src["site"]) == (want.phase, want.layer, want.sites[0]), src
     assert any(p["site"] == "input_layernorm" and p["status"] == "variant" for p in rep["points"])
 
-    monkeypatch.setattr(Session, "variant_shadow", lambda self, name: None)
+    monkeypatch.setattr(ShadowPool, "variant", lambda self, name: None)
     rep = run_replay(dump, target=PlantedFusedScaleNorm, layers=[0])
     assert not rep["passed"], "without the variant shadow the inherited differences should fail"
     assert rep["first_divergence"]["site"] != "input_layernorm"  # the variant itself is still never the divergence
@@ -180,7 +180,7 @@ def test_head_variant_shadow_explains_the_logits_and_nothing_else(monkeypatch):
     it they fail; logits that are also wrong (scaled by 1.01) still fail."""
     from parity.numerics.variants import _fused_scale, row_scale
     from parity.replay import run_replay
-    from parity.replay.session import Session
+    from parity.replay.shadows import ShadowPool
     from parity.targets.reference import ReferenceTarget
 
     class VariantHead(ReferenceTarget):
@@ -205,5 +205,10 @@ def test_head_variant_shadow_explains_the_logits_and_nothing_else(monkeypatch):
     norms, logits = statuses(VariantHead)
     assert norms == ["variant"] * 5 and "fail" not in logits and "variant" in logits, (norms, logits)
     assert "fail" in statuses(WrongLogits)[1]
-    monkeypatch.setattr(Session, "variant_shadow", lambda self, name: None)
+    monkeypatch.setattr(ShadowPool, "variant", lambda self, name: None)
+    # the three-way verdict (issue 31) would accept these 1-ULP logits as no less precise than HF's: set it aside to
+    # see what the variant shadow alone does
+    from parity.replay import shadows
+
+    monkeypatch.setattr(shadows, "KINDS", tuple(k for k in shadows.KINDS if k.name != shadows.PRECISION))
     assert "fail" in statuses(VariantHead)[1]

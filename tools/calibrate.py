@@ -13,6 +13,10 @@
         re-derive from stored measurements: parity/numerics/calibration.toml (one header; sections
         gradient_tolerances, the real-kernel ones, tolerances, safety_bounds, exactness_rates) and the reports calibration/calibration.md, calibration/measurements.json;
         --check writes nothing and exits 1 naming every file that differs
+    python tools/calibrate.py precision [--workdir W]
+        walk the precision corpus (parity.calibration.precision: fresh bf16 dumps replayed by correct-but-different
+        targets and by the catalogue's mutants, each failing point's ratio to the fp32 shadow), store it in
+        parity/numerics/calibration/ and write the generated file (as `rules`; section precision_ratios)
     python tools/calibrate.py resolution [--dump D ...] [--modes layer,isolated] [--seeds 5] [--pairs 40] [--json F]
         detection resolution of each replay mode (markdown table; parity.calibration.resolution)
 """
@@ -63,7 +67,8 @@ def _write(files: dict[Path, str | bytes], root: Path) -> None:
 def _derive_and_write(meas: K.Measurement, noise_meta: dict, ex_meta: dict, command: str, a: argparse.Namespace) -> None:
     kernels = P.load_kernels(Path(a.out) / P.MEASURED) or P.load_kernels(ROOT / P.MEASURED)
     grads = P.load_grads(Path(a.out) / P.MEASURED) or P.load_grads(ROOT / P.MEASURED)
-    files, log = P.derive(meas, noise_meta, ex_meta, command, a.safety, a.bounds_safety, kernels, grads)
+    precision = P.load_precision(Path(a.out) / P.MEASURED) or P.load_precision(ROOT / P.MEASURED)
+    files, log = P.derive(meas, noise_meta, ex_meta, command, a.safety, a.bounds_safety, kernels, grads, precision)
     print("\n".join(log))
     _write({**P.measured_files(meas, noise_meta, ex_meta), **files}, Path(a.out))
 
@@ -152,7 +157,7 @@ def _recorded(argv: list[str]) -> list[str]:
 def cmd_rules(a: argparse.Namespace, argv: list[str]) -> int:
     meas, noise_meta, ex_meta = P.load(Path(a.from_))
     files, log = P.derive(meas, noise_meta, ex_meta, _command(_recorded(argv)), a.safety, a.bounds_safety,
-                          P.load_kernels(Path(a.from_)), P.load_grads(Path(a.from_)))
+                          P.load_kernels(Path(a.from_)), P.load_grads(Path(a.from_)), P.load_precision(Path(a.from_)))
     print("\n".join(log))
     if a.check:
         stale = [str(rel) for rel, text in files.items() if (Path(a.out) / rel).read_text(encoding="utf-8") != text]
@@ -161,6 +166,30 @@ def cmd_rules(a: argparse.Namespace, argv: list[str]) -> int:
         return 1 if stale else 0
     _write(files, Path(a.out))
     return 0
+
+
+def cmd_precision(a: argparse.Namespace, argv: list[str]) -> int:
+    from parity.calibration import precision as Q
+
+    spec = Q.PrecisionSpec()
+    only = None if not a.runs else tuple(tuple(int(x) if i else x for i, x in enumerate(r.split(":")))
+                                         for r in a.runs.split(","))
+    with tempfile.TemporaryDirectory() as tmp:
+        points = Q.walk(Path(a.workdir or tmp), Q.PrecisionSpec(runs=only) if only else spec)
+    command = _command(argv)
+    if only:  # re-measured runs replace theirs in the stored corpus; the others are kept, both commands recorded
+        stored = P.load_precision(Path(a.out) / P.MEASURED)
+        if stored is None:
+            raise P.CalibrationError("precision --runs: no stored precision corpus to merge into")
+        redone = {f"{p}/s{s}/T{t}/" for p, s, t in only}
+        points = [p for p in stored[0] if not any(p["run"].startswith(r) for r in redone)] + points
+        command = f"{stored[1]['command']} && {command}"
+    meta = {"command": command, "date": datetime.date.today().isoformat(), "machine": R.machine(),
+            "corpus": f"runs {', '.join(f'{p} seed {s} T={t}' for p, s, t in spec.runs)} (bf16, --grads, "
+                      f"{spec.decode_steps} decode steps) × targets {', '.join(Q.corpus_targets())}"}
+    _write(P.precision_files(points, meta), Path(a.out))
+    return cmd_rules(argparse.Namespace(from_=str(Path(a.out) / P.MEASURED), check=False, out=a.out,
+                                        safety=R.SAFETY, bounds_safety=None), ["rules"])
 
 
 def cmd_resolution(a: argparse.Namespace, argv: list[str]) -> int:
@@ -232,6 +261,11 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--safety", type=float, default=R.SAFETY, help="safety factor of the tolerance rules")
         s.add_argument("--bounds-safety", type=float, default=None,
                        help="safety factor of the bounds (default: from the corpus' growth, parity/calibration/bounds.py)")
+    q = sub.add_parser("precision", help="walk the precision corpus (three-way verdict), write the generated file")
+    q.add_argument("--workdir", default=None, help="keep the dumps here (default: a temp dir)")
+    q.add_argument("--runs", default=None, help="re-measure only these runs (PRESET:SEED:PROMPT_LEN,...) and keep the "
+                                                "stored points of the others")
+    q.add_argument("--out", default=str(ROOT), help="write under this folder instead of the repository")
     s = sub.add_parser("resolution", help="detection resolution of each replay mode")
     s.add_argument("--dump", action="append", default=None, help="dump(s) (default: the bundled dumps)")
     s.add_argument("--modes", default="layer,isolated")
@@ -266,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--decode-steps must be ≥ 2")
         if a.remeasure and not a.workdir:
             ap.error("--remeasure needs --workdir (the kept corpus of the run that made the stored measurements)")
-    run = {"corpus": cmd_corpus, "rules": cmd_rules, "resolution": cmd_resolution}[a.command]
+    run = {"corpus": cmd_corpus, "rules": cmd_rules, "resolution": cmd_resolution,
+           "precision": cmd_precision}[a.command]
     try:
         return run(a, argv)
     except ParityError as e:

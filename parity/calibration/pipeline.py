@@ -5,11 +5,14 @@ Measurements (in `parity/numerics/calibration/`, written by `python tools/calibr
   exactness_rows.json.gz, exactness_corpus.json         the exactness corpus (ExactnessSpec) and its provenance
   kernel_*.json.gz, kernel_corpus.json                  the real-kernel corpus (KernelSpec), where one was walked
   grad_points.json.gz, grad_corpus.json                  the gradient corpus (GradSpec), where one was walked
+  precision_points.json.gz, precision_corpus.json        the precision corpus (parity.calibration.precision), where
+                                                         one was walked (`python tools/calibrate.py precision`)
 Generated (`derive`): parity/numerics/calibration.toml — ONE file, one header (the command that generated it, and the
 command, date and machine of each corpus), one section per derived quantity in lookup order: the gradient rules of
 the backward phase (parity.calibration.gradients, first: they match only `backward/*` sites), the conditional
 real-kernel sections, then `SECTIONS`: the tolerance rules (parity.calibration.rules), the per-element safety bounds
-(parity.calibration.bounds), the exactness rates and norm-scale noise (parity.calibration.exactness_rates); read by
+(parity.calibration.bounds), the exactness rates and norm-scale noise (parity.calibration.exactness_rates), and last
+the precision ratios of the three-way verdict (parity.calibration.precision: only `precision_ratio`); read by
 `parity.numerics.tolerances.default_rules`.
 Beside it, reports of the same derivation: calibration/calibration.md and the aggregates of measurements.json.
 A new class of derived rules is one more section: its entries function, its place in the lookup order, and its
@@ -115,6 +118,36 @@ def load_kernels(folder: Path) -> tuple[Measurement, dict] | None:
                        routing=_read_json(folder / "kernel_routing.json.gz", gz=True), runs=meta["runs"],
                        rows=_read_json(folder / "kernel_rows.json.gz", gz=True))
     return meas, meta
+
+
+def load_precision(folder: Path) -> tuple[list[dict], dict] | None:
+    """(points, metadata) of the precision corpus stored in `folder`, or None where none was walked."""
+    folder = Path(folder)
+    if not (folder / "precision_corpus.json").exists():
+        return None
+    meta = _read_json(folder / "precision_corpus.json")
+    for k in ("command", "date", "machine", "corpus"):
+        _field(meta, k, folder / "precision_corpus.json")
+    return _read_json(folder / "precision_points.json.gz", gz=True), meta
+
+
+def precision_files(points: list[dict], meta: dict) -> dict[Path, bytes]:
+    """The precision corpus' measurements as files ({repository-relative path: bytes})."""
+    return {MEASURED / "precision_points.json.gz": gzip.compress(json.dumps(points).encode(), mtime=0),
+            MEASURED / "precision_corpus.json": json.dumps(meta, indent=1).encode()}
+
+
+def derive_precision_section(points: list[dict], meta: dict) -> tuple[tuple[str, str, str], list[str]]:
+    """The precision ratios' section (name, method comment, entries) and the lines to print (the margins)."""
+    from parity.calibration import precision as Q
+
+    ratios = Q.derive(points)
+    log = [f"precision corpus: {len(points)} failing points of bf16 runs, {len({p['run'] for p in points})} runs"]
+    log += [f"precision ratio {c.cls:16s} {c.ratio:<6.4g} worst correct {Q._fmt(c.worst_correct)} "
+            f"({c.n_correct} pts, {c.worst_correct_at or '-'}); best bug {Q._fmt(c.best_bug)} ({c.n_bug} pts, "
+            f"{c.best_bug_at or '-'}); at a bug's site {Q._fmt(c.best_pinned)} ({c.best_pinned_at or '-'})"
+            + (" OVERLAP" if c.overlap else "") for c in ratios]
+    return (Q.SECTION, Q.method_text(meta, len(points), Q.SAFETY), Q.entries(ratios, Q.SECTION)), log
 
 
 def kernel_files(meas: Measurement, meta: dict) -> dict[Path, bytes]:
@@ -286,7 +319,8 @@ def derive_grad_section(points: list[dict], meta: dict, safety: float = G.SAFETY
 
 def derive(meas: Measurement, noise_meta: dict, ex_meta: dict, command: str, safety: float = R.SAFETY,
            bounds_safety: float | None = None, kernels: tuple[Measurement, dict] | None = None,
-           grads: tuple[list[dict], dict] | None = None) -> tuple[dict[Path, str], list[str]]:
+           grads: tuple[list[dict], dict] | None = None, precision: tuple[list[dict], dict] | None = None
+           ) -> tuple[dict[Path, str], list[str]]:
     """Every generated file ({repository-relative path: text}) and the lines to print, from stored measurements.
     `command` is this derivation's command (recorded in the calibration file's header with each corpus' command).
     `kernels`: the real-kernel corpus (`load_kernels`), which adds the conditional sections of real-kernel bf16 dumps.
@@ -352,6 +386,12 @@ def derive(meas: Measurement, noise_meta: dict, ex_meta: dict, command: str, saf
         log += glog
         sections = [gsection] + sections
         corpora.append(("gradient corpus", Provenance(grads[1]["command"], grads[1]["date"], grads[1]["machine"])))
+    if precision is not None:  # the three-way verdict's ratios: one field of their own, last in lookup order
+        qsection, qlog = derive_precision_section(*precision)
+        log += qlog
+        sections = sections + [qsection]
+        corpora.append(("precision corpus", Provenance(precision[1]["command"], precision[1]["date"],
+                                                       precision[1]["machine"])))
     head = header(command, corpora, [name for name, _, _ in sections])
     text = calibration_toml(head, sections, when)
     parsed = parse_calibration(text, str(CALIBRATION))  # the file reads back as written

@@ -23,14 +23,11 @@ SHADOW = "dots_one_bf16_pass"
 # ------------------------------------------------------------------------------------------------ the shadow
 def shadow_target(s) -> Any:
     """The built reference with one-bf16-pass dots, following the dump's semantics; one per session."""
-    key = f"dot-precision:{SHADOW}"
-    if key not in s._shadows:
-        from parity.targets.mutants import PlantedTpuDefaultPrecision
+    from parity.targets.mutants import PlantedTpuDefaultPrecision
 
-        t = PlantedTpuDefaultPrecision(SHADOW, **s.fork_options("dump"))
-        t.build(s.config, s.dtype)
-        s._shadows[key] = t
-    return s._shadows[key]
+    # one of the session's shadow configurations (parity.replay.shadows.ShadowPool), released with the session
+    return s.shadows.target(f"dot-precision:{SHADOW}",
+                            lambda: PlantedTpuDefaultPrecision(SHADOW, **s.fork_options("dump")))
 
 
 def shadow_points(s, unit: int | None, phases: tuple[str, ...] = ("forward", "backward")) -> dict[Point, np.ndarray]:

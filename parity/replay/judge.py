@@ -8,10 +8,10 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from parity.numerics.variants import HF_RMSNORM
 from parity.model.points import Point, mtp_site
 from parity.replay.records import Observation, PointRecord, Status, skipped
 from parity.replay.routing import routing_record, shape_mismatch
+from parity.replay.shadows import explain, rmsnorm_variant_record
 from parity.replay.strategies import ROUTER_DOWNSTREAM
 
 
@@ -86,24 +86,18 @@ def _judge(session, obs: Observation) -> PointRecord:
             variant = obs.rounding.variant(test, rule.norm_scale_noise) if _passes_but_exactness(v, ref, test, rule) \
                 else None
             if variant is not None:
-                stats["variant"] = variant.to_dict()
-                if not getattr(session, "strict_variants", False):
-                    why = (f"named variant {variant.name}: the target computes {variant.formula} where the reference "
-                           f"computes {HF_RMSNORM} (every element inside that formula's rounding bracket; "
-                           f"{variant.seen}); counted as passing (--parity-strict-variants fails it)")
-                    return PointRecord(point, Status.VARIANT, stats=stats, reason=why, message=f"{point.key()}: {why}")
+                rec = rmsnorm_variant_record(point, variant, stats, getattr(session, "strict_variants", False))
+                if rec is not None:
+                    return rec
                 line += (f"\n{point.key()}: matches the named variant {variant.name} ({variant.formula}), a failure "
                          "under --parity-strict-variants")
             passed, message = False, line if message is None else f"{message}\n{line}"
             stats["passed"] = False  # the compare's own verdict passed; the point's does not
-    if not passed and (why := _explained_by_fork(obs, ref, test, rule)) is not None:
-        return PointRecord(point, Status.SEMANTIC, stats=stats, reason=why, message=f"{point.key()}: {why}")
-    if not passed and (inherited := _explained_by_variant(obs, test, rule)) is not None:
-        stats["variant"] = inherited
-        why = (f"inherits the named variant {inherited['name']} ({inherited['formula']}) the target computes at "
-               f"{inherited['inherited_from']}: the reference computing that variant matches the target here "
-               "(counted as passing; --parity-strict-variants fails it)")
-        return PointRecord(point, Status.VARIANT, stats=stats, reason=why, message=f"{point.key()}: {why}")
+    if not passed and (rec := explain(session, obs, ref, test, rule, stats)) is not None:
+        return rec  # a shadow explains it (parity.replay.shadows)
+    if not passed and (pe := stats.get("precision")) is not None:  # the three-way verdict refused it: say why
+        message = (f"{message}\n{point.key()}: less precise than the reference: error vs the fp32 shadow "
+                   f"{pe['ratio']:.3g}× the dump's own (allowed ≤ {pe['allowed_ratio']:g})")
     return PointRecord(point, Status.PASS if passed else Status.FAIL, stats=stats, message=message)
 
 
@@ -135,29 +129,6 @@ def _rounding_check(obs: Observation, ref: np.ndarray, test: np.ndarray, rule) -
     return obs.rounding.check(ref, test, rule.norm_scale_noise)
 
 
-def _explained_by_fork(obs: Observation, ref: np.ndarray, test: np.ndarray, rule) -> str | None:
-    """Why a failing point is a `semantic` difference, or None. Both must hold, each under the point's own rule:
-    the reference following the dump's semantics matches the dump here (the fork accounts for the difference), and
-    the target matches the reference following the intended semantics (it implements the intended behaviour)."""
-    from parity.numerics.compare import compare
-
-    sh = obs.shadow
-    if not sh or obs.transform is not None:
-        return None
-    sd, si = sh.get("dump"), sh.get("intended")
-    if sd is None or si is None:
-        return None
-    sd, si = np.asarray(sd), np.asarray(si)
-    if sd.shape != ref.shape or si.shape != ref.shape:
-        return None
-    if not (compare(ref, sd, rule).passed and compare(si, test, rule).passed):
-        return None
-    forks = ", ".join(sh.get("forks") or ["?"])
-    return (f"differs from the dump where the dump's runtime departs from the intended semantics ({forks}): the "
-            "reference with the dump's semantics matches the dump here, and the target matches the reference with "
-            "the intended semantics")
-
-
 def _passes_but_exactness(v, ref: np.ndarray, test: np.ndarray, rule) -> bool:
     """The verdict `v` passes, or would without the rule's exactness test (`inexact_row_rate`)."""
     from dataclasses import replace
@@ -167,23 +138,6 @@ def _passes_but_exactness(v, ref: np.ndarray, test: np.ndarray, rule) -> bool:
     if v.passed or rule.inexact_row_rate is None:
         return v.passed
     return compare(ref, test, replace(rule, inexact_row_rate=None)).passed
-
-
-def _explained_by_variant(obs: Observation, test: np.ndarray, rule) -> dict | None:
-    """The variant entry of a failing point downstream of a named variant the target matched in its layer (the
-    strategy's `variant_shadow`): where the reference computing that variant matches the target under the point's
-    own rule, the difference is the variant's, else None (a real error downstream still fails)."""
-    from parity.numerics.compare import compare
-
-    vs = obs.variant_shadow
-    if vs is None or obs.rounding is not None:
-        return None
-    arr = np.asarray(vs["array"])
-    if obs.transform is not None:  # the shadow is a reference: its array takes the dump's transform (taps.Transform)
-        arr, _ = obs.transform.apply(arr, test)
-    if arr.shape != test.shape or not compare(arr, test, rule).passed:
-        return None
-    return {**vs["variant"], "inherited_from": vs["at"]}
 
 
 def _base(site: str) -> str:

@@ -61,14 +61,11 @@ class Observation:
     transform: Any = None
     why_absent: str | None = None
     rounding: Any = field(default=None, repr=False)
-    # where the dump's runtime departs from the intended semantics on a fork that changes this layer: the site's
-    # array from a reference following the dump's semantics and from one following the intended ones
-    # ({"dump": arr, "intended": arr, "forks": [names]}); the judge classifies a failure they explain as `semantic`
-    shadow: dict | None = field(default=None, repr=False)
-    # where the target matched a named implementation variant upstream in this layer (parity.numerics.variants): the
-    # site's array from the reference computing that variant ({"variant": {...}, "at": point key, "array": arr});
-    # the judge classifies a failure it explains as `variant` (inherited), never as the first divergence
-    variant_shadow: dict | None = field(default=None, repr=False)
+    # the shadows' payloads at this point (parity.replay.shadows: {kind name: payload}), e.g. `semantic`: the site's
+    # arrays from the references following the dump's and the intended semantics, `variant`: the site's array from the
+    # reference computing the named variant the target matched upstream; the judge classifies a failure a shadow
+    # explains with the status that shadow confers
+    shadows: dict = field(default_factory=dict, repr=False)
 
 
 @dataclass

@@ -104,7 +104,9 @@ class Session:
             from parity.replay.watchdog import Watchdog
 
             self.watchdog = Watchdog()
-        self._shadows: dict[str, Any] = {}
+        from parity.replay.shadows import ShadowPool
+
+        self.shadows = ShadowPool(self)  # the reference configurations run beside the target
         from parity.replay.matmul_policy import resolve_policy
 
         self.policy = resolve_policy(self.matmul_precision)
@@ -121,48 +123,6 @@ class Session:
         from parity.model.semantics import reference_options
 
         return reference_options(self.dump.semantics, intended=which == "intended")
-
-    def forks_matter(self, i: int) -> bool:
-        """Whether the dump departs from the intended semantics in a way that changes layer i (its statics differ
-        between the two reference configurations; MTP layers and free/isolated modes are not shadowed)."""
-        if not self.departures() or self.mode not in ("layer", "forced"):
-            return False
-        from parity.jax_ling3.spec import layer_spec
-
-        a, b = self.fork_options("dump"), self.fork_options("intended")
-        return layer_spec(self.config, i, self.dtype, **a) != layer_spec(self.config, i, self.dtype, **b)
-
-    def shadow(self, which: str):
-        """A built reference target following `which` semantics, for classifying differences the fork explains
-        (`semantic`, not `fail`); None when the session's target already is that reference (no second run)."""
-        opts = self.fork_options(which)
-        if getattr(self.target, "follows_semantics", False) and type(self.target).__name__ == "ReferenceTarget" \
-                and self.target.semantic_options() == opts:
-            return None
-        if which not in self._shadows:
-            from parity.targets.reference import ReferenceTarget
-
-            t = ReferenceTarget(**opts)
-            t.build(self.config, self.dtype)
-            self._shadows[which] = t
-        return self._shadows[which]
-
-    def variant_shadow(self, variant: str):
-        """A built reference target computing the named variant `variant` (parity.numerics.variants) and otherwise
-        following the dump's semantics as the session's reference does; None where none is planted for it. The
-        replay runs it beside a layer whose target matched the variant, so that points downstream of the variant are
-        judged against what the variant itself gives (status `variant`) rather than failed for inheriting it."""
-        from parity.targets.mutants import PLANT_OF_VARIANT, MutantTarget
-
-        plant = PLANT_OF_VARIANT.get(variant)
-        if plant is None:
-            return None
-        key = f"variant:{variant}"
-        if key not in self._shadows:
-            t = MutantTarget(plant, **self.fork_options("dump"))
-            t.build(self.config, self.dtype)
-            self._shadows[key] = t
-        return self._shadows[key]
 
     def call(self, what: str, fn, *args, **kwargs):
         """A target call under the session's watchdog: a stall is a StallError naming the dump, what was called
@@ -244,11 +204,11 @@ class Session:
     def close(self) -> None:
         """End the replay: the target's and the semantic shadows' loaded weights are released (`Target.release`),
         a dump the session opened is closed. The session can replay again afterwards (weights load again)."""
-        for t in [self.target, *self._shadows.values()]:
+        for t in [self.target, *self.shadows.targets()]:
             release = getattr(t, "release", None)  # a duck-typed adapter may lack it
             if release is not None:
                 release()  # not through the watchdog: it only drops references, and must run after a stall too
-        self._shadows.clear()
+        self.shadows.clear()
         if getattr(self, "_owned", False):
             self.dump.close()
 

@@ -28,8 +28,10 @@ from parity.model.config import MLA_NORM_EPS
 from parity.model.points import Point, layer_graph, mtp_site, sites_for_config
 from parity.replay.records import Observation
 from parity.replay.session import Session
+from parity.replay.shadows import LayerShadows, StepContext, head_variant, layer_points, precision_payload
 
-ROUTER_DOWNSTREAM = ("mlp.gate.topk_weight", "mlp.routed", "mlp", "output")
+# an MTP layer's block output and its norm (`final_layernorm:in`, `final_layernorm`) follow its routing too
+ROUTER_DOWNSTREAM = ("mlp.gate.topk_weight", "mlp.routed", "mlp", "output", "final_layernorm:in", "final_layernorm")
 
 
 def _read(s: Session, p: Point) -> np.ndarray | None:
@@ -48,12 +50,9 @@ def _positions(s: Session, phase: str, step: int, T: int) -> np.ndarray:
 
 
 def _layer_observations(s: Session, phase: str, step: int, i: int, pts: dict, forced_pts: dict | None, bias,
-                        positions, res=None, shadow: dict | None = None,
-                        forced_shadow: dict | None = None, rounding: dict | None = None,
-                        variant_shadow: dict | None = None,
-                        forced_variant_shadow: dict | None = None) -> Iterator[Observation]:
+                        positions, res=None, rounding: dict | None = None, shadows=None) -> Iterator[Observation]:
     """rounding: {site: RmsNormCheck} for the norms fed a dumped tensor (teacher forcing), none in free mode;
-    variant_shadow: the points of the reference computing the named variant the target matched (`_variant_shadow`)."""
+    shadows: the step's shadow payloads (parity.replay.shadows.LayerShadows.step), none in free mode."""
     tf = getattr(res, "transforms", None) or {}
     why = getattr(res, "missing", None) or {}
     rounding = rounding or {}
@@ -61,60 +60,12 @@ def _layer_observations(s: Session, phase: str, step: int, i: int, pts: dict, fo
         pt = Point(phase, step, i, site)
         ref = _read(s, pt)
         yield Observation(pt, ref, pts.get(site), s.mode, positions=positions, expert_bias=bias,
-                          transform=tf.get(site), why_absent=why.get(site), shadow=_shadow_of(shadow, site),
-                          rounding=rounding.get(site), variant_shadow=_variant_of(variant_shadow, site))
+                          transform=tf.get(site), why_absent=why.get(site), rounding=rounding.get(site),
+                          shadows={} if shadows is None else shadows.at(site))
         if forced_pts is not None and site in ROUTER_DOWNSTREAM:
             yield Observation(pt, ref, forced_pts.get(site), s.mode, forced=True, positions=positions,
-                              expert_bias=bias, transform=tf.get(site), shadow=_shadow_of(forced_shadow, site),
-                              variant_shadow=_variant_of(forced_variant_shadow, site))
-
-
-def _shadow_of(shadow: dict | None, site: str) -> dict | None:
-    if shadow is None:
-        return None
-    return {"dump": shadow["dump"].get(site), "intended": shadow["intended"].get(site), "forks": shadow["forks"]}
-
-
-def _variant_of(vs: dict | None, site: str) -> dict | None:
-    if vs is None or vs["points"].get(site) is None:
-        return None
-    return {"variant": vs["variant"], "at": vs["at"], "array": vs["points"][site]}
-
-
-def _matched_variant(s: Session, pt: Point, check, test):
-    """The named variant (parity.numerics.variants) the target's output at the RMSNorm point `pt` matches where it
-    fails the rounding check, else None (also under --parity-strict-variants: no shadow then)."""
-    if check is None or test is None or s.strict_variants or not s.dump.has(pt):
-        return None
-    rule = s.rules.rule_for(pt.site, s.mode, s.dump.dtype(pt), s.dtype)
-    test = np.asarray(test)
-    if rule.norm_scale_noise is None or test.dtype.name != "bfloat16":
-        return None
-    entry = check.check(s.dump.read(pt), test, rule.norm_scale_noise)
-    if not entry.get("applied") or not entry.get("outside"):
-        return None
-    return check.variant(test, rule.norm_scale_noise)
-
-
-def _variant_shadow(s: Session, i: int, hf: dict, phase: str, step: int, check, test) -> list | None:
-    """[variant, loaded reference computing it, its state, point key] where the target's input norm of this first
-    step fails the rounding check but matches a named variant (parity.numerics.variants), else None. Its differences
-    are inherited by everything after the norm in the layer; the judge compares those points with this shadow too."""
-    pt = Point(phase, step, i, "input_layernorm")
-    v = _matched_variant(s, pt, check, test)
-    t = None if v is None else s.variant_shadow(v.name)
-    if t is None:
-        return None
-    s.call(f"layer {i}: load_layer (reference with variant {v.name})", t.load_layer, i, hf)
-    return [v, t, None, pt.key()]
-
-
-def _points(res, hidden=None) -> dict:
-    pts = dict(res.points)
-    pts.setdefault("output", res.output)
-    if hidden is not None:
-        pts.setdefault("input", hidden)
-    return pts
+                              expert_bias=bias, transform=tf.get(site),
+                              shadows={} if shadows is None else shadows.at(site, forced=True))
 
 
 def observe_layer(s: Session, i: int) -> Iterator[Observation]:
@@ -126,8 +77,7 @@ def observe_layer(s: Session, i: int) -> Iterator[Observation]:
     forcing = s.mode == "forced"
     can_force = "forced_routing" in s.target.capabilities
     state = None
-    shadows = _load_shadows(s, i, hf)  # {which: [target or None, state]} where a semantic fork changes layer i
-    variant, first = None, True  # the named variant the target's input norm matched at the first step (its shadow)
+    shadows = LayerShadows(s, i, hf)  # the references run beside the target (parity.replay.shadows)
     try:
         for phase, step in s.steps():
             inp = Point(phase, step, i, "input")
@@ -141,83 +91,22 @@ def observe_layer(s: Session, i: int) -> Iterator[Observation]:
             res = s.call(f"layer {i} {phase} step {step}: layer_forward", s.target.layer_forward, i, hidden, positions,
                          prev_state, forced_topk=ref_topk if forcing else None)
             state = res.state
-            pts = _points(res, hidden)
+            pts = layer_points(res, hidden)
             forced_pts = None
             if (not forcing and ref_topk is not None and can_force
                     and _routing_differs(pts.get("mlp.gate.topk_idx"), ref_topk)):
-                forced_pts = _points(s.call(f"layer {i} {phase} step {step}: layer_forward (forced routing)",
-                                            s.target.layer_forward, i, hidden, positions, prev_state,
-                                            forced_topk=ref_topk))
-            shadow_states = {w: slot[1] for w, slot in shadows.items()} if shadows else None
-            shadow = _run_shadows(s, shadows, i, phase, step, hidden, positions, pts,
-                                  ref_topk if forcing else None)
-            # where the plain run's routing differed, the router's downstream points are judged on the forced run:
-            # their semantic shadows must be forced to the same experts (else a near-tie the shadows break the other
-            # way turns a semantic difference into a failure)
-            forced_shadow = None if forced_pts is None else _run_shadows(
-                s, shadows, i, phase, step, hidden, positions, forced_pts, ref_topk, states=shadow_states)
+                forced_pts = layer_points(s.call(f"layer {i} {phase} step {step}: layer_forward (forced routing)",
+                                                 s.target.layer_forward, i, hidden, positions, prev_state,
+                                                 forced_topk=ref_topk))
             # the input norm is fed the dumped layer input here: its rounding check holds as in isolated mode
             rounding = {"input_layernorm": _norm_check(cfg, i, "input_layernorm", {"input": hidden}, hf)}
-            if first:
-                variant = _variant_shadow(s, i, hf, phase, step, rounding["input_layernorm"],
-                                          pts.get("input_layernorm"))
-                first = False
-            vshadow = forced_vshadow = None
-            if variant is not None:
-                what = f"layer {i} {phase} step {step}: layer_forward (reference with variant {variant[0].name}"
-                v_prev = variant[2]
-                r = s.call(what + ")", variant[1].layer_forward, i, hidden, positions, v_prev,
-                           forced_topk=ref_topk if forcing else None)
-                variant[2] = r.state
-                vshadow = {"variant": variant[0].to_dict(), "at": variant[3], "points": _points(r, hidden)}
-                if forced_pts is not None:  # the router's downstream points are judged on the forced run
-                    r = s.call(what + ", forced routing)", variant[1].layer_forward, i, hidden, positions, v_prev,
-                               forced_topk=ref_topk)
-                    forced_vshadow = dict(vshadow, points=_points(r, hidden))
-            yield from _layer_observations(s, phase, step, i, pts, forced_pts, bias, positions, res, shadow,
-                                           forced_shadow, rounding, vshadow, forced_vshadow)
+            views = shadows.step(StepContext(phase, step, hidden, positions, ref_topk if forcing else None, ref_topk,
+                                             pts, forced_pts, rounding))
+            yield from _layer_observations(s, phase, step, i, pts, forced_pts, bias, positions, res, rounding, views)
         yield from observe_backward_layer(s, i)
     finally:
         s.target.unload_layer(i)
-        if variant is not None:
-            variant[1].unload_layer(i)
-        for t, _ in (shadows or {}).values():
-            if t is not None:
-                t.unload_layer(i)
-
-
-def _load_shadows(s: Session, i: int, hf: dict) -> dict | None:
-    """Reference runs following the dump's and the intended semantics, for a layer a departing fork changes."""
-    if not s.forks_matter(i):
-        return None
-    out = {}
-    for which in ("dump", "intended"):
-        t = s.shadow(which)
-        if t is not None:
-            s.call(f"layer {i}: load_layer (reference, {which} semantics)", t.load_layer, i, hf)
-        out[which] = [t, None]
-    return out
-
-
-def _run_shadows(s: Session, shadows: dict | None, i: int, phase: str, step: int, hidden, positions, pts: dict,
-                 forced_topk, states: dict | None = None) -> dict | None:
-    """The shadow references' points of this step (the session's target's own where it is that reference). With
-    `states` (each shadow's state before this step) it is a re-run — forced to the reference's experts beside a
-    plain run — that leaves the shadows' carried state alone (attention state does not depend on routing)."""
-    if shadows is None:
-        return None
-    out = {"forks": [d["fork"] for d in s.departures()]}
-    for which, slot in shadows.items():
-        t, st = slot
-        if t is None:
-            out[which] = pts
-            continue
-        r = s.call(f"layer {i} {phase} step {step}: layer_forward (reference, {which} semantics)", t.layer_forward,
-                   i, hidden, positions, st if states is None else states[which], forced_topk=forced_topk)
-        if states is None:
-            slot[1] = r.state
-        out[which] = _points(r, hidden)
-    return out
+        shadows.close()
 
 
 def _ref_topk(s: Session, phase: str, step: int, i: int):
@@ -254,33 +143,16 @@ def observe_model_points(s: Session) -> Iterator[Observation]:
             x = s.dump.read(last)
             head = s.call(f"model {phase} step {step}: head", s.target.head, x)
             check = _rms_check(x, hf.get("model.norm.weight"), s.config.rms_norm_eps)
-            vshadow = _head_variant_shadow(s, hf, Point(phase, step, None, "final_norm"), check, x,
+            vshadow = head_variant(s, hf, Point(phase, step, None, "final_norm"), check, x,
                                            head.get("final_norm"))
             for site in ("final_norm", "logits"):
                 pt = Point(phase, step, None, site)
+                shadows = precision_payload(s, pt)
+                if site == "logits" and vshadow:
+                    shadows["variant"] = vshadow
                 yield Observation(pt, _read(s, pt), head.get(site), s.mode,
-                                  rounding=check if site == "final_norm" else None,
-                                  variant_shadow=vshadow if site == "logits" else None)
+                                  rounding=check if site == "final_norm" else None, shadows=shadows)
     yield from observe_backward_model(s)
-
-
-def _head_variant_shadow(s: Session, hf: dict, pt: Point, check, x, test) -> dict | None:
-    """Where the target's final norm is a named variant: the logits the reference's LM head gives on that variant's
-    final norm (the judge compares the target's logits with them too, as the layers' variant shadow does)."""
-    v = _matched_variant(s, pt, check, test)
-    t = None if v is None else s.variant_shadow(v.name)
-    if t is None:
-        return None
-    if getattr(t, "globals", None) is None:
-        s.call(f"load_globals (reference with variant {v.name})", t.load_globals, hf)
-    from parity.numerics.variants import row_scale
-
-    x32 = np.asarray(x).astype(np.float32)
-    w32 = np.asarray(hf["model.norm.weight"]).astype(np.float32)
-    normed = v.fns[0](x32, w32, row_scale(x32, s.config.rms_norm_eps).astype(np.float32))
-    logits = s.call(f"model {pt.phase} step {pt.step}: logits (reference with variant {v.name})", t.logits_of,
-                    normed.astype(np.asarray(test).dtype))
-    return {"variant": v.to_dict(), "at": pt.key(), "array": logits}
 
 
 def observe_free(s: Session, progress=None) -> Iterator[Observation]:
@@ -305,7 +177,7 @@ def observe_free(s: Session, progress=None) -> Iterator[Observation]:
                 res = s.call(f"layer {i} {phase} step {step}: layer_forward", s.target.layer_forward, i, h,
                              positions, state)
                 state = res.state
-                yield from _layer_observations(s, phase, step, i, _points(res, h), None, bias, positions, res)
+                yield from _layer_observations(s, phase, step, i, layer_points(res, h), None, bias, positions, res)
                 hiddens[(phase, step)] = res.output
         finally:
             s.target.unload_layer(i)
@@ -492,7 +364,7 @@ def observe_backward_layer(s: Session, i: int) -> Iterator[Observation]:
     why_absent = getattr(res, "missing", None) or {}
     for pt in pts:
         yield Observation(pt, _read(s, pt), test.get(pt.site), s.mode, forced=False,
-                          why_absent=why_absent.get(pt.site))
+                          why_absent=why_absent.get(pt.site), shadows=precision_payload(s, pt))
 
 
 def observe_backward_model(s: Session) -> Iterator[Observation]:
@@ -614,8 +486,10 @@ def observe_mtp(s: Session, j: int) -> Iterator[Observation]:
             forced_pts = None
             if (not forcing and ref_topk is not None and can_force
                     and _routing_differs(pts.get("mlp.gate.topk_idx"), ref_topk)):
-                forced_pts = dict(s.call(f"{where}: mtp_forward (forced routing)", s.target.mtp_forward, j, emb,
-                                         hidden, positions, prev_state, forced_topk=ref_topk).points)
+                fr = s.call(f"{where}: mtp_forward (forced routing)", s.target.mtp_forward, j, emb, hidden,
+                            positions, prev_state, forced_topk=ref_topk)
+                forced_pts = dict(fr.points)
+                forced_pts.setdefault("final_layernorm", fr.output)
             tf = getattr(res, "transforms", None) or {}
             why = getattr(res, "missing", None) or {}
             # enorm / hnorm are fed the dumped embedding and final norm: their rounding check holds (facts §2, §6)
@@ -625,10 +499,11 @@ def observe_mtp(s: Session, j: int) -> Iterator[Observation]:
                 p = pt(phase, step, site)
                 ref = _read(s, p)
                 yield Observation(p, ref, pts.get(site), s.mode, positions=positions, expert_bias=bias,
-                                  transform=tf.get(site), why_absent=why.get(site), rounding=rounding.get(site))
+                                  transform=tf.get(site), why_absent=why.get(site), rounding=rounding.get(site),
+                                  shadows=precision_payload(s, p))
                 if forced_pts is not None and site in ROUTER_DOWNSTREAM:
                     yield Observation(p, ref, forced_pts.get(site), s.mode, forced=True, positions=positions,
-                                      expert_bias=bias, transform=tf.get(site))
+                                      expert_bias=bias, transform=tf.get(site), shadows=precision_payload(s, p))
     finally:
         s.target.unload_mtp(j)
 

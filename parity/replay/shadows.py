@@ -1,0 +1,575 @@
+"""Shadows: a reference configuration run beside the target, and the status a match with it confers.
+
+A failing point is not always a bug. Where the dump's runtime departs from the intended semantics, where the target
+computes a named implementation variant, the difference is explained by running *the reference configured that
+way* on the same (teacher-forced) inputs: if that reference matches the target where the plain reference does not,
+the point gets the status the configuration stands for instead of `fail`. Every such configuration is a shadow
+kind here, with one interface:
+
+- `ShadowPool` (one per session, `Session.shadows`) builds and caches the reference targets, one per configuration
+  (`ShadowPool.target(key, make)`), and releases them with the session.
+- `LayerShadows` (one per layer replayed in `layer` / `forced` mode) loads the layer into the shadows that concern
+  it, runs them at each step beside the target (`step(...)`, which carries each shadow's own decode state and runs
+  a forced re-run where the target's routing differed) and hands the strategy, per site, the payloads it attaches to
+  the `Observation` (`Observation.shadows`: {kind name: payload}).
+- A `Kind` is the judge's side: `explain(session, obs, ref, test, rule, stats)` returns the `PointRecord` a failing
+  point gets when the shadow explains it, else None. `explain` (module function) asks each kind of `KINDS` in turn.
+
+The kinds (in the order the judge asks them):
+- `semantic` — the semantic-fork shadow (parity.model.semantics): two references, one following the dump's
+  semantics and one the intended ones, for a layer a departing fork changes. Status `semantic` where the first
+  matches the dump and the second matches the target.
+- `variant` — the named-variant shadow (parity.numerics.variants): where the target's input norm (or final norm)
+  matched a named variant, the reference computing that variant; points downstream in the layer (the logits for
+  the final norm) that it matches are `variant` (inherited).
+- `precision` — the high-precision shadow (the three-way verdict, parity_anchors §6b): the reference in fp32 on the
+  same bf16 weights and teacher-forced inputs (`HighPrecision`, lazy: run only for a layer where a bf16 point fails).
+  A failing bf16 point whose error against it is at most the rule's `precision_ratio` × the dump's own error against
+  it is `variant` more-precise-than-reference (e.g. XLA's default excess precision); a target less precise than the
+  dump still fails, its record saying by how much (`precision` entry).
+
+Adding a kind (e.g. a dot-precision shadow: the reference whose dots run one bf16 pass): write its reference
+configuration as a `ShadowPool.target` key and factory, run it from `LayerShadows` (or lazily, from the payload)
+and put a `Kind` in `KINDS` whose `explain` compares the target with the shadow's array under the point's rule and
+returns the record of the status it confers. Strategies and the judge need no change: the payload travels in
+`Observation.shadows[kind.name]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from parity.model.points import Point, mtp_site
+from parity.numerics.variants import HF_RMSNORM
+from parity.replay.records import Observation, PointRecord, Status
+
+SEMANTIC, VARIANT, PRECISION = "semantic", "variant", "precision"
+
+
+# ------------------------------------------------------------------------------------------------ reference targets
+class ShadowPool:
+    """The session's shadow reference targets, built once per configuration and released with the session."""
+
+    def __init__(self, session) -> None:
+        self.session = session
+        self._built: dict[str, Any] = {}
+
+    def target(self, key: str, make: Callable[[], Any], dtype: str | None = None):
+        """The built target of configuration `key`: `make()` (unbuilt) built for the dump's config and `dtype`
+        (default: the session's compute dtype)."""
+        if key not in self._built:
+            t = make()
+            t.build(self.session.config, dtype or self.session.dtype)
+            self._built[key] = t
+        return self._built[key]
+
+    def semantic(self, which: str):
+        """A reference following `which` semantics ("dump" | "intended"), for classifying differences a semantic
+        fork explains; None when the session's target already is that reference (no second run)."""
+        s = self.session
+        opts = s.fork_options(which)
+        if getattr(s.target, "follows_semantics", False) and type(s.target).__name__ == "ReferenceTarget" \
+                and s.target.semantic_options() == opts:
+            return None
+        from parity.targets.reference import ReferenceTarget
+
+        return self.target(which, lambda: ReferenceTarget(**opts))
+
+    def variant(self, name: str):
+        """A reference computing the named variant `name` (parity.numerics.variants), otherwise following the dump's
+        semantics as the session's reference does; None where none is planted for it."""
+        from parity.targets.mutants import PLANT_OF_VARIANT, MutantTarget
+
+        plant = PLANT_OF_VARIANT.get(name)
+        if plant is None:
+            return None
+        return self.target(f"variant:{name}", lambda: MutantTarget(plant, **self.session.fork_options("dump")))
+
+    def forks_matter(self, i: int) -> bool:
+        """Whether the dump departs from the intended semantics in a way that changes layer i (its statics differ
+        between the two reference configurations; MTP layers and free/isolated modes are not shadowed)."""
+        s = self.session
+        if not s.departures() or s.mode not in ("layer", "forced"):
+            return False
+        from parity.jax_ling3.spec import layer_spec
+
+        a, b = s.fork_options("dump"), s.fork_options("intended")
+        return layer_spec(s.config, i, s.dtype, **a) != layer_spec(s.config, i, s.dtype, **b)
+
+    def high_precision(self) -> "HighPrecision":
+        """The session's lazy high-precision (fp32) shadow (kind `precision`)."""
+        if getattr(self, "_precision", None) is None:
+            self._precision = HighPrecision(self.session)
+        return self._precision
+
+    def targets(self) -> list:
+        return list(self._built.values())
+
+    def clear(self) -> None:
+        if getattr(self, "_precision", None) is not None:
+            self._precision.release()
+            self._precision = None
+        self._built.clear()
+
+
+# ------------------------------------------------------------------------------------------------ running beside
+def layer_points(res, hidden=None) -> dict:
+    """A layer_forward result's points with its `output` (and the fed `input`)."""
+    pts = dict(res.points)
+    pts.setdefault("output", res.output)
+    if hidden is not None:
+        pts.setdefault("input", hidden)
+    return pts
+
+
+class Runner:
+    """A shadow reference run over one layer's steps beside the target, carrying its own decode state."""
+
+    def __init__(self, session, target, i: int, hf: dict, label: str) -> None:
+        self.s, self.t, self.i, self.label, self.state = session, target, i, label, None
+        session.call(f"layer {i}: load_layer ({label})", target.load_layer, i, hf)
+
+    def run(self, phase: str, step: int, hidden, positions, forced_topk, rerun: bool = False,
+            state: Any = None) -> dict:
+        """This step's points. A `rerun` (forced to the reference's experts beside a plain run) starts from `state`,
+        the state before the step, and leaves the carried state alone (attention state does not depend on routing)."""
+        what = f"layer {self.i} {phase} step {step}: layer_forward ({self.label}{', forced routing' if rerun else ''})"
+        r = self.s.call(what, self.t.layer_forward, self.i, hidden, positions, state if rerun else self.state,
+                        forced_topk=forced_topk)
+        if not rerun:
+            self.state = r.state
+        return layer_points(r, hidden)
+
+    def close(self) -> None:
+        self.t.unload_layer(self.i)
+
+
+@dataclass
+class StepContext:
+    """One step of a layer as the strategy ran it: what the shadows are fed and what the target gave."""
+
+    phase: str
+    step: int
+    hidden: np.ndarray
+    positions: np.ndarray
+    forced_topk: Any  # the dumped top-k when the mode forces routing, else None
+    ref_topk: Any  # the dumped top-k (a forced re-run's experts)
+    pts: dict  # the target's points
+    forced_pts: dict | None  # the target's points of its forced re-run (routing differed), else None
+    rounding: dict  # {site: RmsNormCheck} of the norms fed a dumped tensor
+
+
+class LayerShadows:
+    """Every shadow of layer i in `layer` / `forced` mode: loaded on construction, run by `step`, unloaded by
+    `close`. `step` returns the step's payloads: `.at(site, forced)` -> {kind name: payload}."""
+
+    def __init__(self, session, i: int, hf: dict) -> None:
+        self.s, self.i, self.hf = session, i, hf
+        self.forks: dict[str, Runner | None] | None = None
+        if session.shadows.forks_matter(i):
+            self.forks = {}
+            for which in ("dump", "intended"):
+                t = session.shadows.semantic(which)
+                self.forks[which] = None if t is None else Runner(session, t, i, hf, f"reference, {which} semantics")
+        self.variant: tuple[Any, Runner, str] | None = None  # (Variant, its runner, the point it was matched at)
+        self._first = True
+
+    def step(self, c: StepContext) -> "_Views":
+        if self._first:  # the input norm of the layer's first step decides the variant shadow of the whole layer
+            self._first = False
+            self.variant = self._match_variant(c)
+        payloads: dict[str, dict[bool, Callable[[str], Any]]] = {}
+        if self.forks is not None:
+            payloads[SEMANTIC] = self._run_forks(c)
+        if self.variant is not None:
+            payloads[VARIANT] = self._run_variant(c)
+        # lazy: the high-precision shadow runs only where the judge asks (a failing point of a bf16 run)
+        at = lambda site: precision_payload(self.s, Point(c.phase, c.step, self.i, site)).get(PRECISION)  # noqa: E731
+        payloads[PRECISION] = {forced: at for forced in ([False, True] if c.forced_pts is not None else [False])}
+        out: dict[bool, dict] = {}
+        for name, by_run in payloads.items():
+            for forced, at in by_run.items():
+                out.setdefault(forced, {})[name] = at
+        return _Views(out)
+
+    def _run_forks(self, c: StepContext) -> dict[bool, Callable[[str], Any]]:
+        forks = [d["fork"] for d in self.s.departures()]
+        before = {w: (r.state if r is not None else None) for w, r in self.forks.items()}
+        plain = {w: (c.pts if r is None else r.run(c.phase, c.step, c.hidden, c.positions, c.forced_topk))
+                 for w, r in self.forks.items()}
+        runs = {False: plain}
+        # where the plain run's routing differed, the router's downstream points are judged on the forced run: their
+        # semantic shadows must be forced to the same experts (else a near-tie the shadows break the other way turns
+        # a semantic difference into a failure)
+        if c.forced_pts is not None:
+            runs[True] = {w: (c.forced_pts if r is None else r.run(c.phase, c.step, c.hidden, c.positions, c.ref_topk,
+                                                                   rerun=True, state=before[w]))
+                          for w, r in self.forks.items()}
+        return {forced: (lambda site, p=p: {"dump": p["dump"].get(site), "intended": p["intended"].get(site),
+                                            "forks": forks})
+                for forced, p in runs.items()}
+
+    def _match_variant(self, c: StepContext):
+        check = c.rounding.get("input_layernorm")
+        pt = Point(c.phase, c.step, self.i, "input_layernorm")
+        v = matched_variant(self.s, pt, check, c.pts.get("input_layernorm"))
+        t = None if v is None else self.s.shadows.variant(v.name)
+        if t is None:
+            return None
+        return v, Runner(self.s, t, self.i, self.hf, f"reference with variant {v.name}"), pt.key()
+
+    def _run_variant(self, c: StepContext) -> dict[bool, Callable[[str], Any]]:
+        v, runner, at = self.variant
+        before = runner.state
+        runs = {False: runner.run(c.phase, c.step, c.hidden, c.positions, c.forced_topk)}
+        if c.forced_pts is not None:  # the router's downstream points are judged on the forced run
+            runs[True] = runner.run(c.phase, c.step, c.hidden, c.positions, c.ref_topk, rerun=True, state=before)
+        return {forced: (lambda site, p=p: None if p.get(site) is None else
+                         {"variant": v.to_dict(), "at": at, "array": p[site]})
+                for forced, p in runs.items()}
+
+    def close(self) -> None:
+        for r in [*(self.forks or {}).values(), None if self.variant is None else self.variant[1]]:
+            if r is not None:
+                r.close()
+
+
+class _Views:
+    """A step's shadow payloads: `at(site, forced)` -> {kind name: payload} (payloads that are None left out)."""
+
+    def __init__(self, by_run: dict[bool, dict[str, Callable[[str], Any]]]) -> None:
+        self.by_run = by_run
+
+    def at(self, site: str, forced: bool = False) -> dict:
+        got = {name: f(site) for name, f in self.by_run.get(forced, {}).items()}
+        return {k: v for k, v in got.items() if v is not None}
+
+
+def matched_variant(s, pt: Point, check, test):
+    """The named variant (parity.numerics.variants) the target's output at the RMSNorm point `pt` matches where it
+    fails the rounding check, else None (also under --parity-strict-variants: no shadow then)."""
+    if check is None or test is None or s.strict_variants or not s.dump.has(pt):
+        return None
+    rule = s.rules.rule_for(pt.site, s.mode, s.dump.dtype(pt), s.dtype)
+    test = np.asarray(test)
+    if rule.norm_scale_noise is None or test.dtype.name != "bfloat16":
+        return None
+    entry = check.check(s.dump.read(pt), test, rule.norm_scale_noise)
+    if not entry.get("applied") or not entry.get("outside"):
+        return None
+    return check.variant(test, rule.norm_scale_noise)
+
+
+def head_variant(s, hf: dict, pt: Point, check, x, test) -> dict | None:
+    """Where the target's final norm is a named variant: the `variant` payload of the logits — what the reference's
+    LM head gives on that variant's final norm (the judge compares the target's logits with it, as a layer's variant
+    shadow does downstream of its input norm)."""
+    v = matched_variant(s, pt, check, test)
+    t = None if v is None else s.shadows.variant(v.name)
+    if t is None:
+        return None
+    if getattr(t, "globals", None) is None:
+        s.call(f"load_globals (reference with variant {v.name})", t.load_globals, hf)
+    from parity.numerics.variants import row_scale
+
+    x32 = np.asarray(x).astype(np.float32)
+    w32 = np.asarray(hf["model.norm.weight"]).astype(np.float32)
+    normed = v.fns[0](x32, w32, row_scale(x32, s.config.rms_norm_eps).astype(np.float32))
+    logits = s.call(f"model {pt.phase} step {pt.step}: logits (reference with variant {v.name})", t.logits_of,
+                    normed.astype(np.asarray(test).dtype))
+    return {"variant": v.to_dict(), "at": pt.key(), "array": logits}
+
+
+# ------------------------------------------------------------------------------------------------ the judge's side
+@dataclass(frozen=True)
+class Kind:
+    """A shadow kind as the judge sees it: `explain(session, obs, ref, test, rule, stats)` -> the record of a failing
+    point its shadow explains, else None. `stats` is the point's verdict statistics (the record's; may be added to)."""
+
+    name: str
+    explain: Callable[..., PointRecord | None]
+
+
+def _explain_semantic(session, obs: Observation, ref: np.ndarray, test: np.ndarray, rule, stats: dict):
+    """`semantic` where both hold, each under the point's own rule: the reference following the dump's semantics
+    matches the dump here (the fork accounts for the difference), and the target matches the reference following
+    the intended semantics (it implements the intended behaviour)."""
+    from parity.numerics.compare import compare
+
+    sh = obs.shadows.get(SEMANTIC)
+    if not sh or obs.transform is not None:
+        return None
+    sd, si = sh.get("dump"), sh.get("intended")
+    if sd is None or si is None:
+        return None
+    sd, si = np.asarray(sd), np.asarray(si)
+    if sd.shape != ref.shape or si.shape != ref.shape:
+        return None
+    if not (compare(ref, sd, rule).passed and compare(si, test, rule).passed):
+        return None
+    forks = ", ".join(sh.get("forks") or ["?"])
+    why = (f"differs from the dump where the dump's runtime departs from the intended semantics ({forks}): the "
+           "reference with the dump's semantics matches the dump here, and the target matches the reference with "
+           "the intended semantics")
+    return PointRecord(obs.point, Status.SEMANTIC, stats=stats, reason=why, message=f"{obs.point.key()}: {why}")
+
+
+def _explain_variant(session, obs: Observation, ref: np.ndarray, test: np.ndarray, rule, stats: dict):
+    """`variant` (inherited) downstream of a named variant the target matched in its layer: where the reference
+    computing that variant matches the target under the point's own rule (a real error downstream still fails)."""
+    from parity.numerics.compare import compare
+
+    vs = obs.shadows.get(VARIANT)
+    if vs is None or obs.rounding is not None:
+        return None
+    arr = np.asarray(vs["array"])
+    if obs.transform is not None:  # the shadow is a reference: its array takes the dump's transform (taps.Transform)
+        arr, _ = obs.transform.apply(arr, test)
+    if arr.shape != test.shape or not compare(arr, test, rule).passed:
+        return None
+    inherited = {**vs["variant"], "inherited_from": vs["at"]}
+    stats["variant"] = inherited
+    why = (f"inherits the named variant {inherited['name']} ({inherited['formula']}) the target computes at "
+           f"{inherited['inherited_from']}: the reference computing that variant matches the target here "
+           "(counted as passing; --parity-strict-variants fails it)")
+    return PointRecord(obs.point, Status.VARIANT, stats=stats, reason=why, message=f"{obs.point.key()}: {why}")
+
+
+
+
+def explain(session, obs: Observation, ref: np.ndarray, test: np.ndarray, rule, stats: dict) -> PointRecord | None:
+    """The record of a failing point the first shadow kind (`KINDS`) explains, else None."""
+    if not obs.shadows:
+        return None
+    for kind in KINDS:
+        rec = kind.explain(session, obs, ref, test, rule, stats)
+        if rec is not None:
+            return rec
+    return None
+
+
+def rmsnorm_variant_record(point: Point, variant, stats: dict, strict: bool) -> PointRecord | None:
+    """A norm point matching a named variant directly (the rounding check's bracket): `variant`, unless strict."""
+    stats["variant"] = variant.to_dict()
+    if strict:
+        return None
+    why = (f"named variant {variant.name}: the target computes {variant.formula} where the reference "
+           f"computes {HF_RMSNORM} (every element inside that formula's rounding bracket; "
+           f"{variant.seen}); counted as passing (--parity-strict-variants fails it)")
+    return PointRecord(point, Status.VARIANT, stats=stats, reason=why, message=f"{point.key()}: {why}")
+
+
+# ------------------------------------------------------------------------------------------------ high precision
+MORE_PRECISE = "more-precise-than-reference"
+PRECISION_SHADOW_DTYPE = "float32"
+
+
+class HighPrecision:
+    """The high-precision shadow (kind `precision`, parity_anchors §6b): the reference computing in fp32 on the same
+    bf16 weights (upcast exactly) and the same teacher-forced inputs as the replay — a layer fed its dumped `input` at
+    every step (its own fp32 decode state carried from the dumped prefill), routing forced to the dumped top-k; its
+    backward phase fed the dumped input and output cotangent; the head fed the dumped last-layer output; an MTP layer
+    fed the dumped `MTP{j}/embed` and `final_norm`. Lazy: a unit (layer, MTP layer, head) is run only when one of its
+    points fails (`point`), and one unit is held at a time (a replay visits them in order)."""
+
+    def __init__(self, session) -> None:
+        self.s = session
+        self.unit: tuple | None = None
+        self.steps: dict[tuple[str, int], dict] = {}
+        self.state: Any = None
+        self.grads: dict | None = None
+
+    def _target(self):
+        from parity.targets.reference import ReferenceTarget
+
+        return self.s.shadows.target("high-precision", lambda: ReferenceTarget(**self.s.fork_options("dump")),
+                                     dtype=PRECISION_SHADOW_DTYPE)
+
+    def _hold(self, unit: tuple) -> None:
+        if self.unit == unit:
+            return
+        t = self._target()
+        self.release()
+        kind, n = unit
+        if kind in ("model", "mtp") and getattr(t, "globals", None) is None:
+            self.s.call("load_globals (fp32 shadow)", t.load_globals, self.s.ckpt.hf_global_tensors())
+        if kind == "layer":
+            self.s.call(f"layer {n}: load_layer (fp32 shadow)", t.load_layer, n, self.s.ckpt.hf_tensors(n))
+        elif kind == "mtp":
+            self.s.call(f"MTP{n}: load_mtp (fp32 shadow)", t.load_mtp, n, self.s.ckpt.mtp_hf_tensors(n))
+        self.unit = unit
+
+    def point(self, pt: Point) -> np.ndarray | None:
+        """The shadow's array at a point (None where it has none: embed, a step whose dumped inputs are absent)."""
+        m = mtp_site(pt.site)
+        if m is not None:
+            unit, site = ("mtp", m[0]), m[1]
+        elif pt.layer is None:
+            unit, site = ("model", None), pt.site
+        else:
+            unit, site = ("layer", pt.layer), pt.site
+        self._hold(unit)
+        if pt.phase == "backward":
+            return self._backward().get(site) if unit[0] == "layer" else None
+        key = (pt.phase, pt.step)
+        if unit[0] == "model":
+            if key not in self.steps:
+                self.steps[key] = self._head(*key)
+            return self.steps[key].get(site)
+        for ph, st in self.s.steps():  # a layer's steps in order: each carries the previous step's state
+            if key in self.steps:
+                break
+            if (ph, st) not in self.steps and not self._forward(ph, st):
+                return None
+        return self.steps.get(key, {}).get(site)
+
+    def _positions(self, phase: str, step: int, T: int) -> np.ndarray:
+        P = int(self.s.dump.prompt_len)
+        return np.arange(T) if phase == "prefill" else np.arange(P + step - 1, P + step - 1 + T)
+
+    def _forward(self, phase: str, step: int) -> bool:
+        kind, n = self.unit
+        dump, t = self.s.dump, self._target()
+        if kind == "layer":
+            inp = Point(phase, step, n, "input")
+            if not dump.has(inp):
+                return False
+            hidden = dump.read(inp)
+            r = self.s.call(f"layer {n} {phase} step {step}: layer_forward (fp32 shadow)", t.layer_forward, n, hidden,
+                            self._positions(phase, step, hidden.shape[1]), self.state,
+                            forced_topk=_dumped_topk(self.s, Point(phase, step, n, "mlp.gate.topk_idx")))
+            self.state = r.state
+            self.steps[(phase, step)] = layer_points(r, hidden)
+            return True
+        feeds = [Point(phase, step, None, f"MTP{n}/embed"), Point(phase, step, None, "final_norm")]
+        if not all(dump.has(p) for p in feeds):
+            return False
+        emb, hidden = dump.read(feeds[0]), dump.read(feeds[1])
+        r = self.s.call(f"MTP{n} {phase} step {step}: mtp_forward (fp32 shadow)", t.mtp_forward, n, emb, hidden,
+                        self._positions(phase, step, hidden.shape[1]), self.state,
+                        forced_topk=_dumped_topk(self.s, Point(phase, step, None, f"MTP{n}/mlp.gate.topk_idx")))
+        self.state = r.state
+        pts = dict(r.points)
+        pts.setdefault("final_layernorm", r.output)
+        out = Point(phase, step, None, f"MTP{n}/final_layernorm")
+        if dump.has(out):
+            pts["logits"] = self.s.call(f"MTP{n} {phase} step {step}: mtp_head (fp32 shadow)", t.mtp_head,
+                                        dump.read(out))
+        self.steps[(phase, step)] = pts
+        return True
+
+    def _head(self, phase: str, step: int) -> dict:
+        last = Point(phase, step, self.s.config.num_hidden_layers - 1, "output")
+        if not self.s.dump.has(last):
+            return {}
+        return dict(self.s.call(f"model {phase} step {step}: head (fp32 shadow)", self._target().head,
+                                self.s.dump.read(last)))
+
+    def _backward(self) -> dict:
+        if self.grads is None:
+            n, dump = self.unit[1], self.s.dump
+            feeds = [Point("prefill", 0, n, "input"), Point("backward", 0, n, "output")]
+            if not all(dump.has(p) for p in feeds):
+                self.grads = {}
+                return self.grads
+            hidden, cot = dump.read(feeds[0]), dump.read(feeds[1])
+            res = self.s.call(f"layer {n} backward: layer_backward (fp32 shadow)", self._target().layer_backward, n,
+                              hidden, np.arange(hidden.shape[1]), cot.astype(np.float32),
+                              forced_topk=_dumped_topk(self.s, Point("prefill", 0, n, "mlp.gate.topk_idx")))
+            self.grads = {**res.points, "input": res.input_grad,
+                          **{f"grad.{k}": v for k, v in res.param_grads.items()}}
+        return self.grads
+
+    def release(self) -> None:
+        """Unload the held unit (the shadow's target stays built)."""
+        if self.unit is not None:
+            t = self._target()
+            kind, n = self.unit
+            if kind == "layer":
+                t.unload_layer(n)
+            elif kind == "mtp":
+                t.unload_mtp(n)
+        self.unit, self.steps, self.state, self.grads = None, {}, None, None
+
+
+def _dumped_topk(s, p: Point):
+    return s.dump.read(p).astype(np.int32) if s.dump.has(p) else None
+
+
+class PrecisionPayload:
+    """What an observation carries for the `precision` kind: the point, and the session's lazy shadow."""
+
+    def __init__(self, shadow: HighPrecision, point: Point) -> None:
+        self.shadow, self.point = shadow, point
+
+    def array(self) -> np.ndarray | None:
+        return self.shadow.point(self.point)
+
+
+def precision_payload(session, point: Point) -> dict:
+    """The `precision` payload of a point in `layer` / `forced` mode ({} elsewhere, and for a dump not computed in
+    bf16): the shadow is run only if the judge asks (a point that fails)."""
+    if session.mode not in ("layer", "forced") or session.dtype != "bfloat16":
+        return {}
+    return {PRECISION: PrecisionPayload(session.shadows.high_precision(), point)}
+
+
+def l2_error(a: np.ndarray, shadow: np.ndarray) -> float:
+    """||a − shadow||₂ in float64 over the elements where the shadow is finite (a non-finite `a` there: inf)."""
+    h = np.asarray(shadow).astype(np.float64)
+    x = np.asarray(a).astype(np.float32).astype(np.float64)
+    fin = np.isfinite(h)
+    d = x[fin] - h[fin]
+    return float(np.sqrt(np.sum(d * d))) if np.isfinite(d).all() else float("inf")
+
+
+def precision_entry(ref: np.ndarray, test: np.ndarray, shadow: np.ndarray, allowed: float | None) -> dict:
+    """The report entry of the three-way verdict: the target's and the dump's error against the shadow (rel-L2 to
+    the shadow's norm), their ratio and the allowed ratio; `more_precise` where ratio ≤ allowed."""
+    e_t, e_d = l2_error(test, shadow), l2_error(ref, shadow)
+    norm = l2_error(np.zeros_like(np.asarray(shadow, np.float32)), shadow) or 1.0
+    ratio = 0.0 if e_t == 0 else (float("inf") if e_d == 0 else e_t / e_d)
+    return {"shadow": PRECISION_SHADOW_DTYPE, "error": e_t / norm, "dump_error": e_d / norm, "ratio": ratio,
+            "allowed_ratio": allowed, "more_precise": allowed is not None and ratio <= allowed}
+
+
+def _explain_precision(session, obs: Observation, ref: np.ndarray, test: np.ndarray, rule, stats: dict):
+    """`variant` more-precise-than-reference (the three-way verdict, parity_anchors §6b): a bf16 point that fails
+    against the dump (HF bf16) but whose error against the fp32 shadow is no worse than `precision_ratio` × the dump's
+    own error against it — the target keeps more precision than the reference (e.g. XLA's default excess precision
+    skipping f32→bf16→f32 round trips). A target less precise than the dump still fails, the entry saying by how
+    much. Off under --parity-strict-variants and where the rule sets no ratio."""
+    h = obs.shadows.get(PRECISION)
+    if h is None or ref.dtype.kind != "f" and ref.dtype.name != "bfloat16" or rule.precision_ratio is None:
+        return None
+    if getattr(session, "strict_variants", False):
+        return None
+    arr = h.array()
+    if arr is None:
+        return None
+    arr = np.asarray(arr)
+    if obs.transform is not None:  # the shadow is a reference: its array takes the dump's transform
+        arr, _ = obs.transform.apply(arr, test)
+    if arr.shape != test.shape:
+        return None
+    entry = precision_entry(ref, test, arr, rule.precision_ratio)
+    stats["precision"] = entry
+    if not entry["more_precise"]:
+        return None
+    stats["variant"] = PRECISION_VARIANT
+    why = (f"more precise than the reference: fails against the dump, but its error against the fp32 shadow "
+           f"(rel-L2 {entry['error']:.3g}) is {entry['ratio']:.3g}× the dump's own ({entry['dump_error']:.3g}), "
+           f"allowed ≤ {rule.precision_ratio:g} (counted as passing; --parity-strict-variants fails it)")
+    return PointRecord(obs.point, Status.VARIANT, stats=stats, reason=why, message=f"{obs.point.key()}: {why}")
+
+
+PRECISION_VARIANT = {"name": MORE_PRECISE, "formula": "the reference's formula with fewer bf16 roundings",
+                     "seen": "XLA's default xla_allow_excess_precision=true (skips f32→bf16→f32 round trips); "
+                             "kernels keeping fp32 intermediates"}
+
+
+KINDS: tuple[Kind, ...] = (Kind(SEMANTIC, _explain_semantic), Kind(VARIANT, _explain_variant),
+                           Kind(PRECISION, _explain_precision))
