@@ -136,11 +136,7 @@ def test_diagnosis_is_semantic_when_the_shadow_is_broken(planted_reports, monkey
     from parity.targets.reference import ReferenceTarget
 
     def plain_reference(s):
-        if "broken" not in s._shadows:
-            t = ReferenceTarget(**s.fork_options("dump"))
-            t.build(s.config, s.dtype)
-            s._shadows["broken"] = t
-        return s._shadows["broken"]
+        return s.shadows.target("broken", lambda: ReferenceTarget(**s.fork_options("dump")))
 
     monkeypatch.setattr(dot_precision, "shadow_target", plain_reference)
     fp32 = run_replay(FP32, target=PlantedTpuDefaultPrecision, layers=[0], matmul_precision="default")

@@ -36,7 +36,7 @@ def test_precision_entry_orders_closer_and_farther_from_the_shadow():
     near = shadow + 1e-3 * rng.standard_normal(shadow.shape).astype(np.float32)
     far = shadow + 5e-2 * rng.standard_normal(shadow.shape).astype(np.float32)
     e_near, e_far = precision_entry(dump, near, shadow, 1.5), precision_entry(dump, far, shadow, 1.5)
-    assert e_near["ratio"] < 0.2 and e_near["more_precise"]
+    assert e_near["ratio"] < 0.2 and e_near["more_precise"]  # not-a-bound: constructed data (noise 1e-3 vs 1e-2: ratio ~0.1)
     assert e_far["ratio"] > 3 and not e_far["more_precise"]
     assert not precision_entry(dump, near, shadow, None)["more_precise"]
     bad = near.copy()
