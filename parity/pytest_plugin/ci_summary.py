@@ -112,12 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 def _port_section(report: dict) -> list[str]:
     """The port-facing lines (issue 32): every independent source, target call errors, dtype notes, provenance."""
     from parity.reporting.report import port_lines
 
     return [f"- {line.strip()}" for line in port_lines(report)]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
