@@ -99,8 +99,10 @@ def test_a_site_failing_at_several_steps_is_one_test_naming_each_point(tmp_path)
     # one test per (dump, layer, site) covers every step: with a zero-ULP rule, layer 2's fp32 KDA gate (inexact at
     # every step of this dump) fails once, listing the prefill and the 4 decode points; the report keeps 5 records
     rule = "attention.gate:layer:float32:max_ulps=0,hard_ulps=0,allowed_fraction=0,floor_ulps=0"
+    # (--parity-strict-variants: the three-way verdict would otherwise accept the reference's own fp32 gate as no
+    # farther from the fp32 shadow than the dump's, `variant` more-precise-than-reference, issue 31)
     r = _pytest("--parity-dump", str(DUMP), "--parity-layers", "2", "-k", "layer_2 and attention.gate", "-q",
-                "--parity-tol", rule, "--parity-report", str(tmp_path))
+                "--parity-tol", rule, "--parity-report", str(tmp_path), "--parity-strict-variants")
     assert r.returncode == 1 and "1 failed" in r.stdout, r.stdout[-3000:]
     for name in ("prefill/L02", "decode/S001/L02", "decode/S002/L02", "decode/S003/L02", "decode/S004/L02"):
         assert f"Tensor-likes are not close! [{name}/attention.gate]" in r.stdout, (name, r.stdout[-3000:])
