@@ -63,7 +63,7 @@ class _Config:
         self._opts = {"--parity-layers": None, "--parity-ckpt": None, "--parity-target": "reference",
                       "--parity-stall-timeout": 600, "--parity-report": str(report_dir),
                       "--parity-semantics": "dump", "--parity-tolerances": None, "--parity-tol": None,
-                      "--parity-strict-variants": False}
+                      "--parity-strict-variants": False, "--parity-matmul-precision": None}
         self.option = SimpleNamespace()
 
     def getoption(self, name):
