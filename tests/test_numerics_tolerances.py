@@ -240,11 +240,12 @@ def test_shipped_calibration_sections_set_disjoint_fields():
     # the gradient rules come first, match only backward points (`backward/<site>`, parity.replay.judge.rule_site)
     # and set every field there, so no other section's value reaches a gradient and they change no activation's
     grads = secs.pop("gradient_tolerances")
-    # except precision_ratio: the three-way verdict's ratios (last section, that field only) cover both phases
+    # except the three-way verdict's fields (last section, those fields only), which cover both phases
+    three_way = {"precision_ratio", "precision_dump_peak"}
     precision = secs.pop("precision_ratios")
-    assert precision.entries and {f for e in precision.entries for f, _ in e.fields} == {"precision_ratio"}
+    assert precision.entries and {f for e in precision.entries for f, _ in e.fields} == three_way
     assert grads.entries and all(e.site.startswith("backward/") and {f for f, _ in e.fields} ==
-                                 set(RULE_FIELDS) - {"precision_ratio"} for e in grads.entries)
+                                 set(RULE_FIELDS) - three_way for e in grads.entries)
     assert not any(e.site.startswith("backward") for t in secs.values() for e in t.entries)
     fields = {name: {f for e in t.entries for f, _ in e.fields} for name, t in secs.items()}
     assert [n for n in fields if not n.startswith("kda_chunk_bf16_")] == ["tolerances", "safety_bounds",

@@ -45,6 +45,8 @@ import numpy as np
 
 SECTION = "precision_ratios"
 SAFETY = 1.25
+PEAK_SAFETY = 2.0
+PEAK_MIN_POINTS = 10
 CORRECT = "correct"
 BUG = "bug"
 
@@ -164,20 +166,26 @@ def _target(spec: str, ckpt: str):
 
 # ------------------------------------------------------------------------------------------------ measuring
 def measure(dump: str, ckpt: str | None, target: str, layers: Sequence[int] | None = None) -> list[dict]:
-    """Every bf16 layer point of a layer-mode replay whose compare against the dump fails, with its ratio to the fp32
-    shadow: [{"site", "phase", "step", "layer", "class", "ratio", "error", "dump_error", "status"}]."""
+    """Every floating point of a bf16 layer-mode replay that has a shadow, with its ratio to the fp32 shadow and the
+    dump's own peak error against it: [{"site", "phase", "step", "layer", "class", "ratio", "error", "dump_error",
+    "dump_peak", "coarser_grid", "status"}]. The ratio is asked about only where the compare fails (status `fail`);
+    the dump peak is a sample of a correct dump's own error at every point (the shadow is run for every unit)."""
     from parity.replay import replay_records
     from parity.replay.session import Session
     from parity.replay.shadows import PRECISION, precision_entry
 
+    from parity.numerics.tolerances import default_rules, parse_override
+
+    # the verdict itself off: the corpus must see every failing point, not those the shipped ratios already accept
+    rules = default_rules().merged(parse_override("*:*:*:precision_ratio=off", "the precision corpus"))
     out = []
-    with Session.open(dump, ckpt, target=_target(target, ckpt)) as s:
+    with Session.open(dump, ckpt, target=_target(target, ckpt), rules=rules) as s:
         for r in replay_records(s, layers):
             o = r.observation
             if o is None or o.ref is None or o.test is None:
                 continue
             dt = np.asarray(o.ref).dtype
-            if (dt.kind != "f" and dt.name != "bfloat16") or r.stats.get("passed", True) or "max_ulp" not in r.stats:
+            if (dt.kind != "f" and dt.name != "bfloat16") or "max_ulp" not in r.stats:
                 continue
             h = o.shadows.get(PRECISION)
             arr = None if h is None else h.array()
@@ -188,7 +196,8 @@ def measure(dump: str, ckpt: str | None, target: str, layers: Sequence[int] | No
             p = r.point
             out.append({"phase": p.phase, "step": p.step, "layer": p.layer, "site": p.site,
                         "class": ratio_class(_base(p.site), p.phase), "ratio": e["ratio"], "error": e["error"],
-                        "dump_error": e["dump_error"], "status": r.status.value, "dtype": dt.name})
+                        "dump_error": e["dump_error"], "dump_peak": e["dump_peak"],
+                        "coarser_grid": e["coarser_grid"], "status": r.status.value, "dtype": dt.name})
     return out
 
 
@@ -259,8 +268,10 @@ def walk(workdir: Path, spec: PrecisionSpec = PrecisionSpec(), log=print) -> lis
             got = measure_in_subprocess(str(dump), str(ckpt), target, layers, xla_defaults=name == "xla-defaults")
             run = f"{preset}/s{seed}/T{T}/{name}"
             points += [{**p, "kind": kind, "run": run, "target": name} for p in got]
-            log(f"{run}: {len(got)} failing point(s), ratios {_fmt(min((p['ratio'] for p in got), default=None))}"
-                f"..{_fmt(max((p['ratio'] for p in got), default=None))}")
+            fails = [p for p in got if p["status"] == "fail"]
+            lo = min((p["ratio"] for p in fails), default=None)
+            hi = max((p["ratio"] for p in fails), default=None)
+            log(f"{run}: {len(fails)} failing point(s) of {len(got)}, ratios {_fmt(lo)}..{_fmt(hi)}")
     return points
 
 
@@ -278,6 +289,10 @@ class ClassRatio:
     n_correct: int
     n_bug: int
     overlap: bool
+    dump_peak: float | None = None  # the ceiling on the dump's own peak error (precision_dump_peak)
+    worst_peak: float | None = None
+    worst_peak_at: str | None = None
+    n_peak: int = 0
 
 
 def _round_up(x: float) -> float:
@@ -321,16 +336,52 @@ def derive_class(cls: str, correct: Sequence[dict], bugs: Sequence[dict], safety
                       bp and bp["ratio"], bp and _where(bp), len(correct), len(bugs), overlap)
 
 
+def _round_up_2(x: float) -> float:
+    """Up to two significant digits (a ceiling written into the table)."""
+    if x <= 0:
+        return 0.0
+    e = math.floor(math.log10(x)) - 1
+    return math.ceil(x / 10 ** e - 1e-9) * 10 ** e
+
+
+def peak_ceiling(peaks: Sequence[dict], fallback: Sequence[dict]) -> tuple[float | None, dict | None, int]:
+    """`precision_dump_peak` of a class: the worst dump peak over its points × PEAK_SAFETY, two significant digits.
+    Every corpus dump is a correct twin dump, so every point of every run (bug runs too) is a sample of a correct
+    dump's own error; a class with fewer than PEAK_MIN_POINTS samples takes the worst over `fallback` (every class
+    of its phase) instead of a ceiling fitted to a handful of rows."""
+    use = peaks if len(peaks) >= PEAK_MIN_POINTS else fallback
+    use = [p for p in use if p.get("dump_peak") is not None and math.isfinite(p["dump_peak"])]
+    if not use:
+        return None, None, 0
+    w = max(use, key=lambda p: p["dump_peak"])
+    return _round_up_2(w["dump_peak"] * PEAK_SAFETY), w, len(use)
+
+
 def derive(points: Iterable[dict], safety: float = SAFETY) -> list[ClassRatio]:
     """One ratio per class the correct corpus holds points of, then the catch-all `*`. Only the points the verdict
-    is asked about count: compare failed and no other shadow explained them (status `fail`)."""
+    is asked about count: compare failed and no other shadow explained them (status `fail`). Each class also gets
+    its ceiling on the dump's own peak error (`peak_ceiling`)."""
+    points = list(points)
     pts = [dict(p, pinned=p["kind"] == BUG and pinned(p)) for p in points if p["status"] == "fail"]
     correct = [p for p in pts if p["kind"] == CORRECT and math.isfinite(p["ratio"])]
     bugs = [p for p in pts if p["kind"] == BUG]
     classes = sorted({p["class"] for p in correct}, key=_order)
-    out = [derive_class(c, [p for p in correct if p["class"] == c], [p for p in bugs if p["class"] == c], safety)
-           for c in classes]
-    out.append(derive_class("*", correct, bugs, safety))
+
+    def with_peak(c: ClassRatio, members: list[dict], phase_pts: list[dict]) -> ClassRatio:
+        ceil, w, n = peak_ceiling(members, phase_pts)
+        return replace(c, dump_peak=ceil, worst_peak=w and w["dump_peak"], worst_peak_at=w and _where(w), n_peak=n)
+
+    def phase_of(p: dict) -> bool:
+        return p["phase"] == "backward"
+
+    out = []
+    for c in classes:  # the dump peaks: every point of the class, failing or not (a property of the dump)
+        members = [p for p in points if p["class"] == c]
+        back = any(phase_of(p) for p in members)
+        out.append(with_peak(derive_class(c, [p for p in correct if p["class"] == c],
+                                          [p for p in bugs if p["class"] == c], safety),
+                             members, [p for p in points if phase_of(p) == back]))
+    out.append(with_peak(derive_class("*", correct, bugs, safety), points, points))
     return out
 
 
@@ -342,8 +393,13 @@ def entries(ratios: Sequence[ClassRatio], table: str = SECTION) -> str:
                      f"{c.worst_correct_at or '-'}; best bug ratio {_fmt(c.best_bug)} ({c.n_bug} points) at "
                      f"{c.best_bug_at or '-'}; at a bug's own site {_fmt(c.best_pinned)} at {c.best_pinned_at or '-'}"
                      + ("; OVERLAP: not separable here" if c.overlap else ""))
+        lines.append(f"#   dump peak (max |dump − shadow| / row RMS): worst {_fmt(c.worst_peak)} over {c.n_peak} points"
+                     f"{'' if c.n_peak >= PEAK_MIN_POINTS or c.cls == '*' else ' (its phase: too few of its own)'}"
+                     f" at {c.worst_peak_at or '-'}")
+        peak = '"off"' if c.dump_peak is None else f"{c.dump_peak:.2g}"
         for glob in (["*"] if c.cls == "*" else class_glob(c.cls)):
             lines += [f"[[{table}]]", f'site = "{glob}"', 'compute = "bfloat16"', f"precision_ratio = {c.ratio:.4g}",
+                      f"precision_dump_peak = {peak}",
                       f'note = "calibrated: {c.cls} (precision corpus)"', ""]
     return "\n".join(lines)
 
@@ -359,6 +415,10 @@ def method_text(meta: dict, n: int, safety: float) -> str:
         "# Reasoning and corpus: parity/calibration/precision.py. Corpus: " + meta.get("corpus", "?"),
         f"# {n} failing bf16 points. R = worst correct ratio × S = {safety:g}, rounded up to the next 1/8",
         "# (never below 1); where that reaches the best bug ratio of the class: their geometric mean.",
+        f"# precision_dump_peak = worst dump peak (max |dump − shadow| / row RMS) over the class's points of every run ×"
+        f" {PEAK_SAFETY:g},",
+        f"# two significant digits (a class with < {PEAK_MIN_POINTS} points: the worst of its phase): the verdict applies"
+        " only where the dump's own error looks like rounding.",
     ])
 
 

@@ -96,8 +96,9 @@ def _judge(session, obs: Observation) -> PointRecord:
     if not passed and (rec := explain(session, obs, ref, test, rule, stats)) is not None:
         return rec  # a shadow explains it (parity.replay.shadows)
     if not passed and (pe := stats.get("precision")) is not None:  # the three-way verdict refused it: say why
-        message = (f"{message}\n{point.key()}: less precise than the reference: error vs the fp32 shadow "
-                   f"{pe['ratio']:.3g}× the dump's own (allowed ≤ {pe['allowed_ratio']:g})")
+        from parity.replay.shadows import refusal
+
+        message = f"{message}\n{point.key()}: not more precise than the reference: {refusal(pe)}"
     return PointRecord(point, Status.PASS if passed else Status.FAIL, stats=stats, message=message)
 
 

@@ -526,14 +526,80 @@ def l2_error(a: np.ndarray, shadow: np.ndarray) -> float:
     return float(np.sqrt(np.sum(d * d))) if np.isfinite(d).all() else float("inf")
 
 
-def precision_entry(ref: np.ndarray, test: np.ndarray, shadow: np.ndarray, allowed: float | None) -> dict:
+def dump_peak(ref: np.ndarray, shadow: np.ndarray) -> float:
+    """The dump's peak error against the shadow, in units of the shadow's row RMS (rows: the last axis):
+    max |dump − shadow| / RMS(shadow row) over the elements where the shadow is finite (a non-finite dump there: inf).
+    Rounding spreads a small error over every element; an edited or wrong dump concentrates a large one somewhere
+    (a 15 % edit of three channels: 0.3 of the row RMS where bf16 rounding gives ~0.01) — which the L2 norm of the
+    ratio dilutes."""
+    h = np.asarray(shadow).astype(np.float64)
+    d = np.asarray(ref).astype(np.float32).astype(np.float64)
+    if h.ndim == 0:
+        h, d = h.reshape(1), d.reshape(1)
+    fin = np.isfinite(h)
+    hz = np.where(fin, h, 0.0)
+    rms = np.sqrt(np.mean(hz * hz, axis=-1, keepdims=True))
+    rms = np.where(rms > 0, rms, 1.0)  # an all-zero row: absolute error
+    err = np.abs(np.where(fin, d - hz, 0.0)) / rms
+    if not np.isfinite(err).all():
+        return float("inf")
+    return float(err.max()) if err.size else 0.0
+
+
+def _bf16_fraction(a: np.ndarray) -> float:
+    """The fraction of the finite non-zero elements that are exactly bf16 values."""
+    import ml_dtypes
+
+    x = np.asarray(a).astype(np.float32)
+    x = x[np.isfinite(x) & (x != 0)]
+    if x.size == 0:
+        return 0.0
+    return float(np.mean(x.astype(ml_dtypes.bfloat16).astype(np.float32) == x))
+
+
+def on_coarser_grid(ref: np.ndarray, test: np.ndarray) -> bool:
+    """Whether the target's values lie on the bf16 grid at a point the dump keeps in fp32 (HF's fp32 KDA gate, beta,
+    state of a bf16 run, facts §3.5): a target that rounded there to bf16 lost precision, whatever its L2 ratio —
+    it cannot be more precise than the reference. (An fp32 value is a bf16 value by chance with probability
+    2^-16; ≥ 99 % of the target's elements on that grid where < 50 % of the dump's are is a rounding.)"""
+    if np.asarray(ref).dtype != np.float32:
+        return False
+    return _bf16_fraction(test) >= 0.99 and _bf16_fraction(ref) < 0.5
+
+
+def precision_entry(ref: np.ndarray, test: np.ndarray, shadow: np.ndarray, allowed: float | None,
+                    allowed_peak: float | None = None) -> dict:
     """The report entry of the three-way verdict: the target's and the dump's error against the shadow (rel-L2 to
-    the shadow's norm), their ratio and the allowed ratio; `more_precise` where ratio ≤ allowed."""
+    the shadow's norm), their ratio and the allowed ratio; the dump's peak error against the shadow (`dump_peak`,
+    in row RMS) and its ceiling; whether the target rounded to a coarser grid than the dump's (`coarser_grid`).
+    `more_precise` where ratio ≤ allowed, the dump's own error looks like rounding (peak ≤ its ceiling: a dump
+    edited or computed by another formula is the disagreement, not a more precise target) and the target kept the
+    dump's grid."""
     e_t, e_d = l2_error(test, shadow), l2_error(ref, shadow)
     norm = l2_error(np.zeros_like(np.asarray(shadow, np.float32)), shadow) or 1.0
     ratio = 0.0 if e_t == 0 else (float("inf") if e_d == 0 else e_t / e_d)
+    peak = dump_peak(ref, shadow)
+    coarser = on_coarser_grid(np.asarray(ref), np.asarray(test))
+    ok = (allowed is not None and ratio <= allowed and not coarser
+          and (allowed_peak is None or peak <= allowed_peak))
     return {"shadow": PRECISION_SHADOW_DTYPE, "error": e_t / norm, "dump_error": e_d / norm, "ratio": ratio,
-            "allowed_ratio": allowed, "more_precise": allowed is not None and ratio <= allowed}
+            "allowed_ratio": allowed, "dump_peak": peak, "allowed_dump_peak": allowed_peak, "coarser_grid": coarser,
+            "more_precise": ok}
+
+
+def refusal(entry: dict) -> str:
+    """Why the three-way verdict refused a point (the report's words), '' where it accepted it."""
+    if entry["more_precise"]:
+        return ""
+    if entry["coarser_grid"]:
+        return "the target rounds to bf16 where the dump keeps fp32: less precise"
+    if entry["allowed_dump_peak"] is not None and entry["dump_peak"] > entry["allowed_dump_peak"]:
+        return (f"the dump's own error against the fp32 shadow peaks at {entry['dump_peak']:.3g}× the row RMS, beyond "
+                f"rounding (≤ {entry['allowed_dump_peak']:g}): the disagreement is not precision")
+    if entry["allowed_ratio"] is None:
+        return "no precision ratio for this site"
+    return (f"less precise: error vs the fp32 shadow {entry['ratio']:.3g}× the dump's, allowed ≤ "
+            f"{entry['allowed_ratio']:g}")
 
 
 def _explain_precision(session, obs: Observation, ref: np.ndarray, test: np.ndarray, rule, stats: dict):
@@ -555,7 +621,7 @@ def _explain_precision(session, obs: Observation, ref: np.ndarray, test: np.ndar
         arr, _ = obs.transform.apply(arr, test)
     if arr.shape != test.shape:
         return None
-    entry = precision_entry(ref, test, arr, rule.precision_ratio)
+    entry = precision_entry(ref, test, arr, rule.precision_ratio, rule.precision_dump_peak)
     stats["precision"] = entry
     if not entry["more_precise"]:
         return None

@@ -26,6 +26,8 @@ its backward points are dL/d layer input and the weight gradients; the others ar
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 import numpy as np
@@ -644,16 +646,11 @@ def _bwd(graphdef, params, x, cot, meta, pool, forced, statics):
     return dh, dp
 
 
-_BWD_JIT = None
-
-
+@functools.cache
 def _bwd_jit():
-    global _BWD_JIT
-    if _BWD_JIT is None:
-        import jax
+    import jax
 
-        _BWD_JIT = jax.jit(_bwd, static_argnames=("graphdef", "statics"), compiler_options=COMPILER_OPTIONS)
-    return _BWD_JIT
+    return jax.jit(_bwd, static_argnames=("graphdef", "statics"), compiler_options=COMPILER_OPTIONS)
 
 
 def _run(graphdef, params, x, meta, pool, forced, statics, taps):
@@ -665,16 +662,11 @@ def _run(graphdef, params, x, meta, pool, forced, statics, taps):
         return block(x, {**meta, "cu": cu, "prefix": prefix, "extend": extend}, pool, forced)
 
 
-_JIT = None
-
-
+@functools.cache
 def _run_jit():
-    global _JIT
-    if _JIT is None:
-        import jax
+    import jax
 
-        _JIT = jax.jit(_run, static_argnames=("graphdef", "statics", "taps"), compiler_options=COMPILER_OPTIONS)
-    return _JIT
+    return jax.jit(_run, static_argnames=("graphdef", "statics", "taps"), compiler_options=COMPILER_OPTIONS)
 
 
 # ------------------------------------------------------------------------------------------ a partial port (issue 32)
@@ -744,13 +736,8 @@ def _mixer_run(graphdef, params, x, slots, pool, cu):
     return nnx.merge(graphdef, params)(x, {"slots": slots, "cu": cu}, pool)
 
 
-_MIXER_JIT = None
-
-
+@functools.cache
 def _mixer_jit():
-    global _MIXER_JIT
-    if _MIXER_JIT is None:
-        import jax
+    import jax
 
-        _MIXER_JIT = jax.jit(_mixer_run, static_argnames=("graphdef", "cu"), compiler_options=COMPILER_OPTIONS)
-    return _MIXER_JIT
+    return jax.jit(_mixer_run, static_argnames=("graphdef", "cu"), compiler_options=COMPILER_OPTIONS)
