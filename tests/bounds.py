@@ -112,11 +112,7 @@ def headroom_problems(bounds=None, minimum: float = MIN_HEADROOM) -> list[str]:
 # `LING3_PARITY_BOUNDS_LOG=F python -m pytest -q -n 2`, then `python tests/bounds.py F`). Each is still the value
 # the test had before; the headroom test prints them.
 PENDING: frozenset[str] = frozenset({
-    "BACKWARD_REPLAY_LOSS_REL", "BACKWARD_REPLAY_REL", "BACKWARD_REPLAY_REL_KDA",
-    "DUMP_RUNTIMES_REL_L2", "FP32_MATRIX_OP", "FP32_TOY_VJP", "GRAD_FP32_RUNTIMES_REL", "JAX_MODEL_BUILTIN_REL",
-    "JAX_MODEL_REL", "JAX_ROPE_DOT_REL",
-    "OFFICIAL_POINT_REL_L2", "OFFICIAL_STREAM_REL_L2", "SEMANTICS_DUMP_REL_L2",
-    "SGLANG_GATE_REL_L2", "SWIGLU_CLAMP_PROBE_REL", "TAPS_O_NORM_ABS", "DOT_FP32_VS_FP64_REL",
+    "SGLANG_GATE_REL_L2",  # its test needs the sglang-jax venv (tests/test_sglang_jax.py): not in the logged runs
 })
 
 
@@ -269,13 +265,20 @@ MEASURED_XEON: dict[str, float] = {
     "MOE_VJP_FP32_REL": 3.0e-07, "MOE_VJP_BF16_PEER_MULTIPLE": 1.12,  # test_jax_moe_vjp.py (its docstring's figures)
     "FP32_LOSS_REL": 2.14e-07, "BF16_ONE_ROUNDING": 0.948, "CLAMP_VS_FP64": 0.0224, "FLA_CPU_REL_L2": 2.93e-06,
     "FP32_FORMULA_VS_FP64": 0.132, "FP32_GATE_VS_FP64": 0.0841, "FP32_OP_VS_FP64": 0.101, "FP32_REORDERED": 0.0593,
-    "JAX_FP32_BLOCK_REL": 1.6e-07, "JAX_FP32_OP_REL": 1.34e-07, "JAX_KDA_CHUNK_VS_RECURRENT_REL": 5.49e-06,
+    "JAX_FP32_BLOCK_REL": 4.54e-07, "JAX_FP32_OP_REL": 2.91e-07, "JAX_KDA_CHUNK_VS_RECURRENT_REL": 5.49e-06,
     "MLA_CORE_VS_DEEPSEEK": 0.0, "PREFIX_GAP": 1.07e-05, "ROPE_INV_FREQ_FP32": 0.081, "ROUTER_VS_DEEPSEEK": 0.179,
     "TWIN_KDA_VS_FLA_NAIVE": 0.225, "TWIN_LOGIT_ABS": 7.9e-05, "TWIN_REL_L2": 5.65e-06,
     "TWIN_GRAD_FP32_NOISE_MULTIPLE": 2.1, "JAX_SOLVE_RESIDUAL_ABS": 6.96e-06, "MOE_BLOCKED_BF16_FRACTION": 3.13e-04,
-    "MOE_BF16_FLIP_FRACTION": 0.0, "MOE_BF16_FLIP_ULPS": 0.0, "JAX_FP32_BLOCK_REL": 4.54e-07,
-    "JAX_FP32_OP_REL": 2.91e-07, "DECODE_STEPS_VS_PREFILL": 0.216, "KDA_BF16_O_FRACTION": 2.08e-04,
+    "MOE_BF16_FLIP_FRACTION": 0.0, "MOE_BF16_FLIP_ULPS": 0.0, "DECODE_STEPS_VS_PREFILL": 0.216, "KDA_BF16_O_FRACTION": 2.08e-04,
     "KDA_BF16_STATE_REL_L2": 0.0, "LOADER_REL_L2": 5.36e-06, "REPAIRED_LOGITS": 0.0,
+    # the whole suite, logged (`LING3_PARITY_BOUNDS_LOG=F python -m pytest -q -n 2`, 2026-11-28): the bounds that were
+    # PENDING (FP32_MATRIX_OP: the usage at the former rtol 1e-6 was 0.361; at 2e-6 it is that halved)
+    "BACKWARD_REPLAY_LOSS_REL": 1.40e-07, "BACKWARD_REPLAY_REL": 6.86e-07, "BACKWARD_REPLAY_REL_KDA": 2.10e-05,
+    "DUMP_RUNTIMES_REL_L2": 7.48e-06, "FP32_MATRIX_OP": 0.181, "FP32_TOY_VJP": 0.0241,
+    "GRAD_FP32_RUNTIMES_REL": 1.11e-04, "JAX_MODEL_BUILTIN_REL": 1.37e-04, "JAX_MODEL_REL": 9.78e-06,
+    "JAX_ROPE_DOT_REL": 3.28e-08, "OFFICIAL_POINT_REL_L2": 1.22e-05, "OFFICIAL_STREAM_REL_L2": 7.0e-06,
+    "SEMANTICS_DUMP_REL_L2": 5.94e-06, "SWIGLU_CLAMP_PROBE_REL": 2.04e-03, "TAPS_O_NORM_ABS": 3.91e-03,
+    "DOT_FP32_VS_FP64_REL": 4.42e-07,
 }
 MEASURED_AVX2: dict[str, float] = {
     "BF16_ONE_ROUNDING": 0.965, "CLAMP_VS_FP64": 0.0224, "FLA_CPU_REL_L2": 2.92e-06, "FP32_FORMULA_VS_FP64": 0.132,
@@ -285,6 +288,14 @@ MEASURED_AVX2: dict[str, float] = {
     "TWIN_LOGIT_ABS": 1.13e-04, "TWIN_REL_L2": 5.95e-06, "DECODE_STEPS_VS_PREFILL": 0.30, "LOADER_REL_L2": 5.1e-06,
     "REPAIRED_LOGITS": 0.0, "MOE_BF16_FLIP_FRACTION": 0.0, "MOE_BF16_FLIP_ULPS": 0.0,
     "MOE_BLOCKED_BF16_FRACTION": 3.13e-04,
+    # the whole suite under the caps, logged (2026-11-28): DUMP_RUNTIMES_REL_L2 1.26e-5 here against 2e-5 (x1.6) and
+    # OFFICIAL_STREAM_REL_L2 8.3e-6 against 2e-5 (x2.4): both raised to x3 (no planted bug in those tests sits near)
+    "BACKWARD_REPLAY_LOSS_REL": 1.44e-07, "BACKWARD_REPLAY_REL": 8.04e-07, "BACKWARD_REPLAY_REL_KDA": 1.84e-05,
+    "DUMP_RUNTIMES_REL_L2": 1.26e-05, "FP32_MATRIX_OP": 0.181, "FP32_TOY_VJP": 0.0241,
+    "GRAD_FP32_RUNTIMES_REL": 1.26e-04, "JAX_MODEL_BUILTIN_REL": 9.85e-05, "JAX_MODEL_REL": 7.27e-06,
+    "JAX_ROPE_DOT_REL": 3.28e-08, "OFFICIAL_POINT_REL_L2": 1.57e-05, "OFFICIAL_STREAM_REL_L2": 8.33e-06,
+    "SEMANTICS_DUMP_REL_L2": 1.49e-06, "SWIGLU_CLAMP_PROBE_REL": 2.04e-03, "TAPS_O_NORM_ABS": 3.91e-03,
+    "DOT_FP32_VS_FP64_REL": 4.42e-07,
 }
 MEASURED: dict[str, float] = {k: max(v for v in (MEASURED_XEON.get(k), MEASURED_AVX2.get(k)) if v is not None)
                               for k in {*MEASURED_XEON, *MEASURED_AVX2}}
@@ -324,9 +335,9 @@ BACKWARD_REPLAY_REL = _m("BACKWARD_REPLAY_REL", 1e-5,
 BACKWARD_REPLAY_REL_KDA = _m("BACKWARD_REPLAY_REL_KDA", 1e-4,
                              "JAX VJP of a KDA layer vs the fp32 twin's autograd, rel-L2 (chunked form in both)")
 BACKWARD_REPLAY_LOSS_REL = _m("BACKWARD_REPLAY_LOSS_REL", 1e-6, "JAX head loss vs the twin's, fp32 scalar")
-DUMP_RUNTIMES_REL_L2 = _m("DUMP_RUNTIMES_REL_L2", 2e-5,
+DUMP_RUNTIMES_REL_L2 = _m("DUMP_RUNTIMES_REL_L2", 4e-5,
                           "dumps of the same fp32 model by two runtimes: worst point rel-L2")
-OFFICIAL_STREAM_REL_L2 = _m("OFFICIAL_STREAM_REL_L2", 2e-5,
+OFFICIAL_STREAM_REL_L2 = _m("OFFICIAL_STREAM_REL_L2", 3e-5,
                             "official file vs twin, fp32: residual stream / logits points, rel-L2")
 OFFICIAL_POINT_REL_L2 = _m("OFFICIAL_POINT_REL_L2", 1e-4, "official file vs twin, fp32: any point, rel-L2")
 FLA_CPU_REL_L2 = _m("FLA_CPU_REL_L2", 1e-5, "the CPU stand-ins of fla's kernels vs fla's naive torch KDA, fp32 rel-L2")
@@ -344,7 +355,8 @@ JAX_FP32_BLOCK_REL = _m("JAX_FP32_BLOCK_REL", 1e-5,
                         "an fp32 JAX block (MLA core, RoPE, MoE sums) vs an independent fp32/float64 reference")
 JAX_ROPE_DOT_REL = _m("JAX_ROPE_DOT_REL", 1e-4, "rotated q·k dot products (sums of 64 fp32 products), max-abs rel")
 JAX_MODEL_REL = _m("JAX_MODEL_REL", 1e-4, "JAX model logits vs the twin, fp32, max-abs relative")
-JAX_MODEL_BUILTIN_REL = _m("JAX_MODEL_BUILTIN_REL", 2e-4, "JAX model logits vs transformers' built-in, fp32")
+JAX_MODEL_BUILTIN_REL = _m("JAX_MODEL_BUILTIN_REL", 5e-4, "JAX model logits vs transformers' built-in, fp32 (was "
+                           "2e-4: x1.46 over 1.37e-4 on the Xeon; the perturbed A_log gives 3.9e-3)")
 LOADER_REL_L2 = _m("LOADER_REL_L2", 2e-5, "twin loaded with fla stand-ins vs transformers' built-in, fp32 rel-L2 "
                    "(was 1e-5: x1.9 over the measured 5.4e-6; the planted lower-bound/clamp bugs give >= 4e-2)")
 TWIN_REL_L2 = _m("TWIN_REL_L2", 2e-5, "twin vs transformers' built-in modules, fp32 per-layer rel-L2 (was 1e-5: x1.8 "
@@ -358,8 +370,9 @@ SEMANTICS_DUMP_REL_L2 = _m("SEMANTICS_DUMP_REL_L2", 1e-4,
 SWIGLU_CLAMP_PROBE_REL = _m("SWIGLU_CLAMP_PROBE_REL", 1e-2,
                             "the clamp probe's module output vs the clamped reference (bf16 module)")
 SGLANG_GATE_REL_L2 = _m("SGLANG_GATE_REL_L2", 1e-4, "the sglang-jax port's KDA gate vs the Kimi formula, rel-L2")
-TAPS_O_NORM_ABS = _m("TAPS_O_NORM_ABS", 0.0079, "attention.o_norm of the reference under its own XLA flags vs the "
-                     "dump, max |diff| (bf16 values: ~1 bf16 ULP at |x| ~ 1)")
+TAPS_O_NORM_ABS = _m("TAPS_O_NORM_ABS", 0.012, "attention.o_norm of the reference under its own XLA flags vs the "
+                     "dump, max |diff| (bf16 values: measured exactly 1 bf16 ULP at |x| in [1, 2), 2^-8; the bound "
+                     "is 3 such ULPs, was 2; XLA's defaults give > 0.1)")
 KDA_BF16_STATE_REL_L2 = _m("KDA_BF16_STATE_REL_L2", 1e-5,
                            "final KDA state of the JAX bf16-rounded chunk vs the torch stand-in, rel-L2")
 KDA_BF16_O_FRACTION = _m("KDA_BF16_O_FRACTION", 0.01,
@@ -382,7 +395,7 @@ FP32_GATE_VS_FP64 = _c("FP32_GATE_VS_FP64", 2e-6, 1e-6, "the fp32 KDA gate (exp,
 FP32_OP_VS_FP64 = _c("FP32_OP_VS_FP64", 1e-6, 1e-6, "a small fp32 op (short conv, gated RMSNorm) vs float64")
 FP32_REORDERED = _c("FP32_REORDERED", 1e-6, 1e-6,
                     "the same fp32 maths in another memory layout / packing / step split (summation order only)")
-FP32_MATRIX_OP = _c("FP32_MATRIX_OP", 1e-6, 0.0, "fp32 JAX forward of a tiny x @ W + tanh(x) vs numpy")
+FP32_MATRIX_OP = _c("FP32_MATRIX_OP", 2e-6, 0.0, "fp32 JAX forward of a tiny x @ W + tanh(x) vs numpy")
 FP32_TOY_VJP = _c("FP32_TOY_VJP", 1e-5, 1e-6, "fp32 JAX VJP of a tiny layer vs its closed form in numpy")
 TWIN_KDA_VS_FLA_NAIVE = _c("TWIN_KDA_VS_FLA_NAIVE", 0.0, 5e-6, "the twin's KDA vs fla's naive KDA, fp32, |diff|")
 MLA_CORE_VS_DEEPSEEK = _c("MLA_CORE_VS_DEEPSEEK", 0.0, 2e-6, "twin MLA core vs transformers' deepseek_v3, fp32")

@@ -39,7 +39,10 @@ def test_guard_passes_a_causal_model_and_checks_the_right_layers(recorded):
         g = causality_guard(lm.model, ids, cfg=lm.config, recorded=calls)
     assert g["causal"] and g["inputs"] == "the dump's prefill" and g["prompt_length"] == GUARD_MAX_TOKENS
     # MLA layers 5, 6, 7 (ragged tail), the MTP layer 8, and the first KDA layer
-    assert g["layers"] == [0, 5, 6, 7, 8] and g["max_abs_diff"] == 0.0
+    assert g["layers"] == [0, 5, 6, 7, 8]
+    # exactly 0 on AVX-512 (the batched call sums each row as the single one does); under the AVX2 caps torch's GEMM
+    # blocks the stacked batch otherwise and a row moves by ~1 fp32 ULP (6e-8 measured): within the guard's own rtol
+    assert g["max_abs_diff"] == 0.0 or g["max_abs_diff"] <= g["rtol"] * g["output_scale"], g
     with torch.no_grad():
         g2 = causality_guard(lm.model, ids, cfg=lm.config)  # no recording: its own base-model prefill
     assert g2["causal"] and g2["inputs"] == "a base-model prefill"

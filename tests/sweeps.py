@@ -1,0 +1,70 @@
+"""The representative slice of the long sweeps (issue 35: README command two stays quick on 2 cores).
+
+Each pattern below (fnmatch on the test's node id) names a case *beyond* the default slice: tests/conftest.py marks
+it `full_sweep` and skips it, saying so, unless `LING3_FULL_SWEEP=1` (then everything runs, as before). What stays
+in the default run covers every mechanism each sweep tests — one case per bug family, per code path, per dtype —
+and the reason beside each pattern says which kept case covers what the skipped one adds.
+"""
+
+from __future__ import annotations
+
+BEYOND_SLICE: dict[str, str] = {
+    # porting-bug catalogue: one mutant per family and path stays (KDA: all nine, cheap; MLA: gate missing, decode
+    # RoPE position; MoE: top-k renorm, shared-expert scale)
+    "tests/test_mutations.py::test_mutation_detected_and_localised[swiglu_clamp_missing]":
+        "clamp: tests/test_jax_model.py::test_tiny_flash_clamp_matters",
+    "tests/test_mutations.py::test_mutation_detected_and_localised[rope_not_interleaved]":
+        "RoPE: mla_decode_rope_position_zero",
+    "tests/test_mutations.py::test_mutation_detected_and_localised[moe_no_group_limit]": "MoE router: moe_no_topk_renorm",
+    "tests/test_mutations.py::test_mutation_detected_and_localised[moe_routed_scaling_twice]":
+        "MoE combine: moe_shared_expert_scaled",
+    "tests/test_mutations.py::test_mutation_detected_and_localised[moe_expert_bias_in_weights]":
+        "MoE router: moe_no_topk_renorm",
+    "tests/test_mutations.py::test_mutation_detected_and_localised[mla_gate_no_sigmoid]": "MLA gate: mla_gate_missing",
+    "tests/test_mutations.py::test_mutation_detected_and_localised[mla_gate_after_dense]": "MLA gate: mla_gate_missing",
+    "tests/test_mutations.py::test_mutation_detected_and_localised[mtp_as_last_layer]":
+        "MTP: tests/test_mtp_semantics_replay.py::test_a_broken_mtp_layer_is_caught_at_eh_proj",
+    # fine (precision) mutants: the bf16 runs and the isolated fp32 run stay; fp32 layer mode of a bf16 precision loss
+    # is the reference's own maths (expected to pass) — the isolated fp32 case checks the same
+    "tests/test_mutations.py::test_fine_mutation_detected_and_pinned[*-float32-layer]": "fp32: the -float32-isolated case",
+    "tests/test_mutations.py::test_fine_mutation_detected_and_pinned[mla_lora_norm_eps-bfloat16-*]":
+        "mla_lora_norm_eps: its float32-isolated case pins it",
+    # backward: fp32 pins each forward-identical mutant end to end; bf16 pins each on the golden
+    # (tests/test_backward_mutations.py, all kept)
+    "tests/test_backward_e2e.py::test_backward_mutant_forward_identical_and_pinned[bw_router_weight_detached-bfloat16]":
+        "bf16: test_backward_mutations.py",
+    "tests/test_backward_e2e.py::test_backward_mutant_forward_identical_and_pinned[bw_mla_gate_detached-bfloat16]":
+        "bf16: test_backward_mutations.py",
+    "tests/test_backward_e2e.py::test_backward_mutant_forward_identical_and_pinned[bw_shared_expert_grad_twice-bfloat16]":
+        "bf16: test_backward_mutations.py",
+    "tests/test_backward_e2e.py::test_grads_dump_replays_clean[bfloat16]":
+        "bf16 backward replay: the bundled tiny-flash-bf16 golden's backward points (pytest parity)",
+    "tests/test_backward_dump.py::test_twin_gradients_match_builtin_fp64[tiny-T40_recurrent]":
+        "recurrent KDA backward: tests/test_backward_replay.py tiny-T40; the chunked fp64 case stays",
+    "tests/test_official_backward.py::test_official_grads_dump_replays_clean[tiny-flash-40-bfloat16]":
+        "the official file's fp32 --grads dump stays",
+    # a port through taps: the bf16 golden stays (its rounding is the harder case); one broken variant stays
+    "tests/test_taps.py::test_portlike_replays_bundled_dumps_through_taps[tiny-fp32.h5]": "the bf16 golden case",
+    "tests/test_taps.py::test_portlike_broken_variant_fails_at_its_site[unbiased_routing-*]": "softplus_gate case",
+    "tests/test_portlike_backward.py::test_planted_backward_bug_in_portlike_is_pinned[bfloat16]": "the float32 case",
+    # no false alarms: one fresh seed forward, one backward case; LING3_FULL_SWEEP=1 runs seeds 11-20 and all 20
+    # backward cases (that file's own switch)
+    "tests/test_no_false_alarms.py::test_correct_target_passes_random_seed[12]": "seed 11",
+    "tests/test_no_false_alarms.py::test_correct_target_passes_random_seed[13]": "seed 11",
+    "tests/test_no_false_alarms.py::test_correct_target_passes_backward_points[14-bfloat16]":
+        "bf16 backward: the bundled bf16 goldens' backward points (pytest parity)",
+    # prefill split into pieces: each layer kind with one split and the decode split, both targets
+    "tests/test_pieces.py::test_pieces_match_one_prefill[1-96+decode-portlike]": "1-96+decode-reference",
+    "tests/test_pieces.py::test_pieces_match_one_prefill[3-64+36-reference]": "3-64+36-portlike",
+    "tests/test_pieces.py::test_pieces_match_one_prefill[3-97+decode-portlike]": "3-97+decode-reference",
+}
+
+
+def beyond_slice(nodeid: str) -> str | None:
+    """The reason a test case is beyond the default slice (None: it is in it)."""
+    from fnmatch import fnmatchcase
+
+    for pattern, why in BEYOND_SLICE.items():
+        if fnmatchcase(nodeid, pattern.replace("[", "[[]")):
+            return why
+    return None
