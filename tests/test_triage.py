@@ -61,7 +61,9 @@ def test_one_run_of_an_fp32_and_a_bf16_dump_triages_a_port(tmp_path):
                         "--parity-dump", str(ROOT / "dumps" / "tiny-fp32.h5"),
                         "--parity-dump", str(ROOT / "dumps" / "tiny-bf16.h5"),
                         "--parity-target", "triage_target:Triage", "--parity-layers", "0,1",
-                        "--parity-report", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                        # the forward phase: triage of a port's forward (the backward phase would compile the port's
+                        # layer VJPs only to add points this test does not read)
+                        "-k", "not backward", "--parity-report", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 1, r.stdout[-3000:]
     out = r.stdout

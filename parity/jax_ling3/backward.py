@@ -7,7 +7,7 @@ All are `jax.vjp` of the forward functions the forward replay runs (`layer.decod
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +35,13 @@ def layer_backward(layer_fn, p: dict, h: jnp.ndarray, positions: jnp.ndarray, co
     return dh, dp, dpr
 
 
+@lru_cache(maxsize=64)
 def make_layer_backward_jit(layer_fn):
-    """`layer_backward` of `layer_fn`, jitted (static spec) with the reference's compiler options."""
+    """`layer_backward` of `layer_fn`, jitted (static spec) with the reference's compiler options.
+
+    One jitted function per layer function in the process (not per target instance): a second target replaying the
+    same layer function reuses its traces and `reference.compiled_call`'s executables instead of tracing and
+    lowering the layer's VJP again (seconds per layer kind; what the test suite's many short replays paid)."""
     return jax.jit(partial(layer_backward, layer_fn), static_argnames=("spec",),
                    compiler_options=REFERENCE_COMPILER_OPTIONS)
 

@@ -256,14 +256,10 @@ class ReferenceTarget(Target):
         return decoder_layer
 
     def _backward_fn(self):
-        """The jitted layer VJP over `_layer_pure_fn` (one per target instance and layer function)."""
-        fn = self._layer_pure_fn()
-        cached = getattr(self, "_bwd_jit", None)
-        if cached is None or cached[0] is not fn:
-            from parity.jax_ling3.backward import make_layer_backward_jit
+        """The jitted layer VJP over `_layer_pure_fn` (one per layer function in the process, shared by targets)."""
+        from parity.jax_ling3.backward import make_layer_backward_jit
 
-            cached = self._bwd_jit = (fn, make_layer_backward_jit(fn))
-        return cached[1]
+        return make_layer_backward_jit(self._layer_pure_fn())
 
     # ---------------------------------------------------------------- MTP layers (parity/jax_ling3/mtp.py)
     def load_mtp(self, j: int, hf_tensors: dict[str, np.ndarray]) -> None:
