@@ -82,16 +82,17 @@ def test_count_over_is_the_judges_count(seed):
     assert not compare_gradient(ref, test, tight).passed
 
 
-def _pt(site, compute="bfloat16", p999=3.0, tail=(), n=1000, rtol_need=0.0, corpus="c/s1/T40/bf16"):
+def _pt(site, compute="bfloat16", p999=3.0, tail=(), n=1000, rtol_need=0.0, corpus="c/s1/T40/bf16", rel_l2=1e-3):
     return {"corpus": corpus, "layer": 1, "site": site, "compute": compute, "n": n, "floor_needed": max(p999, 1.0),
-            "floor_needed_p999": p999, "rtol_floor_needed": rtol_need, "rel_l2": 1e-3, "nonfinite_mismatches": 0,
+            "floor_needed_p999": p999, "rtol_floor_needed": rtol_need, "rel_l2": rel_l2, "nonfinite_mismatches": 0,
             "tail": [list(x) for x in tail]}
 
 
 def test_derivation_is_worst_times_two_on_the_ladder():
-    pts = [_pt("attention.o_proj", p999=3.0), _pt("mlp", p999=59.5, tail=[(200, 9), (300, 1)]),
-           _pt("grad.attention.q_proj.weight", p999=42), _pt("grad.mlp.experts.3.up_proj.weight", p999=346),
-           _pt("input", "float32", rtol_need=12608, corpus="c/s1/T40/fp32"),
+    pts = [_pt("attention.o_proj", p999=3.0, rel_l2=0.0288), _pt("mlp", p999=59.5, tail=[(200, 9), (300, 1)]),
+           _pt("grad.attention.q_proj.weight", p999=42, rel_l2=0.0313),
+           _pt("grad.mlp.experts.3.up_proj.weight", p999=346, rel_l2=0.137),
+           _pt("input", "float32", rtol_need=12608, corpus="c/s1/T40/fp32", rel_l2=0.5),
            _pt("grad.mlp.gate.weight", "float32", rtol_need=3, corpus="c/s1/T40/fp32")]
     rules = {(r.cls, r.compute): r for r in G.derive_grad_rules(pts)}
     assert list(rules) == [("grad_weight", "float32"), ("grad_activation", "float32"), ("grad_expert", "bfloat16"),
@@ -103,15 +104,69 @@ def test_derivation_is_worst_times_two_on_the_ladder():
     assert rules["grad_activation", "float32"].fields["floor_ulps"] == 32768 and \
         rules["grad_activation", "float32"].fields["rtol"] == 1e-5
     assert rules["grad_weight", "float32"].fields["floor_ulps"] == G.FP32_MIN_FLOOR
+    # the per-tensor criterion (issue 33): 2 × the worst rel-L2 rounded up the ladder 1, 1.5, 2, 3, ... × 2^k — 0.0576
+    # → 2^-4, 0.0626 → 1.5 · 2^-4, 0.274 → 1.5 · 2^-2; fp32 runs have none (their rtol tier), whatever their rel-L2
+    assert rules["grad_activation", "bfloat16"].fields["max_rel_l2"] == 0.0625
+    assert rules["grad_weight", "bfloat16"].fields["max_rel_l2"] == 0.09375
+    assert rules["grad_expert", "bfloat16"].fields["max_rel_l2"] == 0.375
+    assert {rules[c, "float32"].fields["max_rel_l2"] for c in ("grad_weight", "grad_activation")} == {"off"}
     assert not G.check_points(pts, list(rules.values()))
     # the check can fail: a point beyond the rule (more outliers than allowed outside the floor; an fp32 element
     # needing more than the floor)
     worse = [_pt("mlp", p999=1.0, tail=[(500, 9), (600, 9), (700, 3)]), _pt("input", "float32", rtol_need=1e6,
-                                                                   corpus="c/s2/T40/fp32")]
+                                                                   corpus="c/s2/T40/fp32"),
+             _pt("grad.attention.A_log", rel_l2=0.1, corpus="c/s3/T40/bf16")]  # beyond the per-tensor ceiling only
     assert G.check_points(worse, list(rules.values())) == ["c/s1/T40/bf16:backward/L01/mlp",
-                                                           "c/s2/T40/fp32:backward/L01/input"]
+                                                           "c/s2/T40/fp32:backward/L01/input",
+                                                           "c/s3/T40/bf16:backward/L01/grad.attention.A_log"]
     with pytest.raises(ValueError, match="NaN/Inf"):
         G.derive_grad_rules([{**_pt("mlp"), "nonfinite_mismatches": 1}])
+
+
+@pytest.mark.parametrize("x, want", [(0.0625, 0.0625), (0.0626, 0.09375), (0.0576, 0.0625), (0.274, 0.375),
+                                     (0.75, 0.75), (0.76, 1.0), (1.0, 1.0), (1.2, 1.5), (3.0, 3.0), (0.0, 0.0)])
+def test_ladder_continues_below_one(x, want):
+    """`ladder` rounds up to 1, 1.5, 2, 3, 4, 6, ... × powers of two (the rules' `nice`), below 1 as above it."""
+    assert G.ladder(x) == want
+
+
+def _a_log_like():
+    """A bf16 gradient of four elements shaped like a KDA layer's grad A_log (one per head): every element within
+    1.5 × the tensor's RMS. RMS = sqrt((3 · 1 + 1.25²) / 4) = 1.068, whose bf16 ULP is 2^-7, so a floor of 192 such
+    ULPs is 1.5 — at least every |element|: a gradient zeroed by a bug is within the element rule's floor."""
+    import ml_dtypes
+
+    return np.array([1.0, -1.0, 1.0, -1.25], dtype=ml_dtypes.bfloat16)
+
+
+def test_per_tensor_criterion_fails_a_zeroed_small_gradient():
+    """The per-tensor criterion (issue 33) catches what the bf16 element rule cannot: a detached (zeroed) gradient of a
+    few elements. With the element rule alone (floor 192, max 2 ULP on ≤ 0.1 %) the zeroed tensor passes; with
+    max_rel_l2 it fails (rel-L2 = ||0 − g|| / ||g|| = 1), its message naming the criterion and what would pass; a
+    correct-sized difference (rel-L2 0.01) passes both; the shipped bf16 rule of every gradient class fails it."""
+    import ml_dtypes
+
+    from parity.numerics.tolerances import ToleranceRule, default_rules
+    from parity.replay.judge import compare_gradient
+
+    ref = _a_log_like()
+    zero = np.zeros_like(ref)
+    element = ToleranceRule(floor_ulps=192, max_ulps=2, allowed_fraction=0.001, hard_ulps=None, compare_dtype="bfloat16")
+    assert compare_gradient(ref, zero, element).passed  # why the criterion is needed
+    both = dataclasses.replace(element, max_rel_l2=0.09375)
+    v = compare_gradient(ref, zero, both, name="backward/L00/grad.attention.A_log")
+    assert not v.passed and v.rel_l2 == 1.0
+    msg = v.message()
+    assert "Tensor rel-L2 1 above the per-tensor ceiling 0.09375" in msg and "max_rel_l2 ≥ 1" in msg
+    near = (ref.astype(np.float64) * np.array([1.01, 0.99, 1.0, 1.01])).astype(ml_dtypes.bfloat16)
+    vn = compare_gradient(ref, near, both)
+    assert vn.passed and 0 < vn.rel_l2 < 0.02, vn.rel_l2
+    rules = default_rules()
+    for site in ("grad.attention.A_log", "grad.mlp.experts.0.up_proj.weight", "attention.f_proj"):
+        rule = rules.rule_for(f"backward/{site}", "layer", "float32", "bfloat16")
+        assert rule.max_rel_l2 is not None and rule.max_rel_l2 < 0.5, (site, rule.max_rel_l2)
+        assert not compare_gradient(ref, zero, rule).passed, site
+        assert compare_gradient(ref, near, rule).passed, site
 
 
 def test_grad_classes():

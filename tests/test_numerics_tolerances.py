@@ -4,6 +4,7 @@ file, the entry and the field."""
 import tomllib
 from importlib import resources
 
+import numpy as np
 import pytest
 
 from parity.errors import ParityError, ToleranceError
@@ -171,6 +172,7 @@ def test_bad_overrides(text, pattern):
      r"is below max_ulps \(8\)"),
     ('[[rule]]\nfloor_ulps = 1\nmax_ulps = "off"\nallowed_fraction = 0\nhard_ulps = "off"\n', r"entry 1: .*never fail"),
     ('[[rule]]\ncompare_dtype = "float64"\n', r"entry 1: field 'compare_dtype'"),
+    ('[[rule]]\nmax_rel_l2 = -0.1\n', r"entry 1: field 'max_rel_l2' = -0.1: expected a finite number ≥ 0 or 'off'"),
     ('rules = []\n', r"unknown top-level key 'rules'"),
     ('schema = "other"\n', r"schema 'other'"),
     ('rule = 3\n', r"array of tables"),
@@ -294,3 +296,15 @@ def test_bad_condition_is_named(when, pattern):
 
     with pytest.raises(ToleranceError, match=pattern):
         parse_calibration(CAL + when + "[[a]]\nmax_ulps = 2\n[[b]]\nmax_ulps = 2\n", "cal.toml")
+
+
+def test_per_tensor_criterion_alone_is_a_rule_that_can_fail():
+    """`max_rel_l2` (issue 33) counts as a criterion: a rule with it alone is accepted and fails a tensor beyond it."""
+    from parity.numerics.compare import compare
+    from parity.numerics.tolerances import ToleranceRule
+
+    rule = ToleranceRule(floor_ulps=0, max_ulps=None, allowed_fraction=0.0, hard_ulps=None, max_rel_l2=0.1)
+    ref = np.array([[3.0, 4.0]], dtype=np.float32)  # ||ref|| = 5
+    assert compare(ref, ref + np.float32(0.25), rule).passed  # ||Δ|| = 0.25·√2: rel-L2 0.071
+    v = compare(ref, ref + np.float32(0.5), rule)  # ||Δ|| = 0.5·√2: rel-L2 0.141
+    assert not v.passed and "max_rel_l2 ≥ 0.141" in v.message()

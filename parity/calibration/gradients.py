@@ -24,8 +24,19 @@ corpus × safety factor S = 2, rounded up to 1, 1.5, 2, 3, 4, 6, 8, ...):
                 bf16 noise from the bf16 activations they are computed from); floor_ulps = nice(S · worst p99.9 of
                 |Δ|/ulp(tensor RMS)); max_ulps = 2; allowed_fraction = max(0.001, S · worst fraction of elements above
                 2 raw ULP outside the floor, rounded up to the ladder in thousandths); hard_ulps off (the worst single
-                element of a finite corpus grows with the corpus, as for the propagating activation modes).
+                element of a finite corpus grows with the corpus, as for the propagating activation modes);
+                max_rel_l2 = ladder(S · worst rel-L2) — the per-tensor criterion (issue 33), below.
 No bound_rms / exactness rate / rounding check for gradients (not measured for them: off).
+
+The per-tensor criterion `max_rel_l2` (bf16 runs only). Two correct bf16 implementations' gradients differ by up to
+~1× the tensor's RMS in a few elements (each rounds the backward's intermediates at other points), so the element
+rule's floor must be ~1.5× RMS (192 bf16 ULPs of it): a bug that zeroes a small gradient (`A_log`: 4 elements, the
+largest 1.44× RMS) passes it. The whole tensor's rel-L2 averages those few elements with the rest: a correct pair's is
+≤ 0.14 in every class (experts) and ≤ 0.032 elsewhere, a detached (zeroed), doubled or negated gradient's is 1–2.
+So bf16 gradients get both: the element rule (unchanged) and rel-L2 ≤ max_rel_l2, with the same headroom S = 2 over
+the corpus worst and the same ladder (powers of two × 1, 1.5). fp32 runs keep the element tier alone: its rtol 1e-5
+per element already bounds the error to fp32 rounding (the backward mutants fail it by ×700 or more), and the fp32
+rel-L2 of a tensor of a few elements (A_log) is one element's rounding, which eight dumps cannot bound safely.
 Every corpus point passes the rules derived from it (`check_points`; a failure is a CalibrationError).
 """
 
@@ -88,6 +99,17 @@ class GradRule:
     basis: str  # the measured numbers the fields came from
 
 
+def ladder(x: float) -> float:
+    """Round x > 0 up to the rules' ladder 1, 1.5, 2, 3, 4, 6, ... × powers of two, below 1 too (`nice` stops at 1):
+    0.0627 → 0.09375 (1.5 · 2^-4), 0.0576 → 0.0625 (2^-4). 0 stays 0."""
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return float(nice(x))
+    k = math.floor(-math.log2(x)) + 1  # x · 2^k in (1, 2]: `nice` maps it to 1.5 or 2 (exact in binary)
+    return float(nice(x * 2 ** k)) / 2 ** k
+
+
 def _worst(points: Sequence[dict], value) -> tuple[float, str]:
     best = max(points, key=value)
     return value(best), pid(best)
@@ -100,7 +122,7 @@ def derive_rule(cls: str, compute: str, points: Sequence[dict], safety: float = 
         need, at = _worst(points, lambda p: p["rtol_floor_needed"])
         F = max(FP32_MIN_FLOOR, nice(safety * need))
         fields = {"floor_ulps": F, "max_ulps": "off", "allowed_fraction": 0.0, "hard_ulps": "off", "rtol": RTOL_FP32,
-                  "atol": "off", "compare_dtype": "off"}
+                  "atol": "off", "compare_dtype": "off", "max_rel_l2": "off"}
         rl, rl_at = _worst(points, lambda p: p["rel_l2"])
         basis = (f"floor needed with rtol {RTOL_FP32:g}: worst {need:.4g} fp32-ULP of tensor RMS at {at}; worst "
                  f"rel-L2 {rl:.3g} at {rl_at}")
@@ -110,10 +132,12 @@ def derive_rule(cls: str, compute: str, points: Sequence[dict], safety: float = 
         over, over_at = _worst(points, lambda p: count_over(p, F, BF16_MAX_ULPS) / p["n"])
         allowed = min(1.0, max(BF16_MIN_FRACTION, float(nice(1000 * safety * over)) / 1000))
         mx, mx_at = _worst(points, lambda p: p["floor_needed"])
+        rl, rl_at = _worst(points, lambda p: p["rel_l2"])
         fields = {"floor_ulps": F, "max_ulps": BF16_MAX_ULPS, "allowed_fraction": allowed, "hard_ulps": "off",
-                  "rtol": "off", "atol": "off", "compare_dtype": "bfloat16"}
+                  "rtol": "off", "atol": "off", "compare_dtype": "bfloat16", "max_rel_l2": ladder(safety * rl)}
         basis = (f"bf16 grid; worst p99.9 of |Δ|/ulp(tensor RMS) {need:.4g} at {at} (max {mx:.4g} at {mx_at}); at "
-                 f"floor {F:g}: worst fraction above {BF16_MAX_ULPS} ULP {over:.3g}" + (f" at {over_at}" if over else ""))
+                 f"floor {F:g}: worst fraction above {BF16_MAX_ULPS} ULP {over:.3g}" + (f" at {over_at}" if over else "")
+                 + f"; worst rel-L2 {rl:.4g} at {rl_at}")
     fields.update({"bound_rms": "off", "inexact_row_rate": "off", "norm_scale_noise": "off"})
     return GradRule(cls, site, compute, fields, len(points), basis)
 
@@ -141,6 +165,8 @@ def check_points(points: Iterable[dict], rules: Sequence[GradRule]) -> list[str]
             fails = p["rtol_floor_needed"] > f["floor_ulps"]
         else:
             fails = count_over(p, f["floor_ulps"], f["max_ulps"]) > allowed_count(f["allowed_fraction"], p["n"])
+        if f.get("max_rel_l2", "off") != "off" and p["rel_l2"] > f["max_rel_l2"]:
+            fails = True
         if fails:
             bad.append(pid(p))
     return bad
@@ -185,9 +211,12 @@ def grad_method(meta: dict, n_points: int, safety: float) -> str:
         f"- bf16 runs (every gradient on the bf16 grid): floor_ulps = S·worst p99.9 of |Δ|/ulp(tensor RMS); max_ulps = "
         f"{BF16_MAX_ULPS},",
         f"  allowed_fraction = max({BF16_MIN_FRACTION}, S·worst fraction above {BF16_MAX_ULPS} ULP outside the floor); "
-        "hard_ulps off.",
+        "hard_ulps off;",
+        "  and the per-tensor criterion (issue 33) max_rel_l2 = S·worst rel-L2 of the whole tensor, rounded up the same",
+        "  ladder continued below 1 (× powers of two): a zeroed or doubled gradient has rel-L2 1, which the element",
+        "  rule's ~1.5×RMS floor lets through for a tensor of a few elements. fp32 runs: max_rel_l2 off (the rtol tier).",
     ])
 
 
 __all__ = ["CLASSES", "GradRule", "SECTION", "check_points", "count_over", "derive_grad_rules", "derive_rule",
-           "grad_class", "grad_entries", "grad_method"]
+           "grad_class", "grad_entries", "grad_method", "ladder"]

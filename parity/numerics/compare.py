@@ -16,7 +16,9 @@ reference's dtype = the precision the tensor was computed in; both sides rounded
     outside the floor has |a - b| ≤ bound_rms · RMS of its reference row: the per-element safety bound, which
     `allowed_fraction` never relaxes (so a few elements of finite garbage fail; reasoning: parity.calibration.bounds),
     and — if the rule has `inexact_row_rate` p0 (isolated mode) — the r rows holding any non-bit-identical element are
-    not less likely than exactness.ALPHA under Binomial(rows, p0) (the exactness test: parity.numerics.exactness).
+    not less likely than exactness.ALPHA under Binomial(rows, p0) (the exactness test: parity.numerics.exactness),
+    and — if the rule has `max_rel_l2` (the bf16 gradient rules) — the whole tensor's rel-L2 (finite pairs, on the
+    grid) is at most it: a per-tensor criterion no floor or allowed fraction relaxes (parity.calibration.gradients).
 Statistics: `max_ulp`, `p50/p99/p999_ulp` are effective (after the floor) — the numbers the rule judges;
 `max_diff_rms` = the largest |a - b| / RMS(reference row) of any finite element (the smallest `bound_rms` that passes;
 inf where a row with RMS 0 has a difference);
@@ -132,6 +134,9 @@ class Verdict:
             lines.append(f"Elements beyond the per-element safety bound |Δ| ≤ {r['bound_rms']:g}×row RMS: "
                          f"{self.n_bound} / {self.n}; furthest at index {self.bound_index} (|Δ| = "
                          f"{_g(self.max_diff_rms, 4)}×row RMS, ref {_g(self.bound_ref)}, test {_g(self.bound_test)})")
+        if r.get("max_rel_l2") is not None and self.rel_l2 is not None and self.rel_l2 > r["max_rel_l2"]:
+            lines.append(f"Tensor rel-L2 {_g(self.rel_l2, 4)} above the per-tensor ceiling {r['max_rel_l2']:g} (a "
+                         f"correct implementation's whole-tensor error is below it)")
         if self.exactness_p is not None and self.inexact_rows:
             lines.append(f"Rows not bit-identical: {self.inexact_rows} / {self.rows}; a correct implementation "
                          f"(rate ≤ {r['inexact_row_rate']:.2g} per row) gives so many with probability "
@@ -176,6 +181,9 @@ class Verdict:
         if self.n_bound:
             need.append(f"bound_rms ≥ {self.max_diff_rms:.3g} — the per-element safety bound "
                         f"({r['bound_rms']:g}×row RMS) that no correct implementation is expected to exceed")
+        if r.get("max_rel_l2") is not None and self.rel_l2 is not None and self.rel_l2 > r["max_rel_l2"]:
+            need.append(f"max_rel_l2 ≥ {self.rel_l2:.3g} — the per-tensor ceiling ({r['max_rel_l2']:g}) that no correct "
+                        "implementation is expected to exceed")
         if self.exactness_p is not None and self.exactness_p < exactness.ALPHA:
             need.append(f"inexact_row_rate ≥ {exactness.rate_that_passes(self.inexact_rows, self.rows):.3g} — "
                         f"{self.inexact_rows} of {self.rows} rows are not bit-identical, where a correct "
@@ -338,8 +346,15 @@ def _compare_float(r: np.ndarray, t: np.ndarray, rule: ToleranceRule, name: str,
     n_rows = rows[0]
     n_inexact = int((valid & (raw != 0)).any(axis=-1).sum()) if n else 0  # rows with any bit-different element
     p_exact = exactness.tail(n_inexact, n_rows, rule.inexact_row_rate) if rule.inexact_row_rate is not None else None
+    rf, tf = rv[fin], tv[fin]
+    nr, nt = float(np.sqrt((rf * rf).sum())), float(np.sqrt((tf * tf).sum()))
+    nd = float(np.sqrt(((tf - rf) ** 2).sum()))
+    rel_l2 = (nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf)) if rf.size else None
+    # per-tensor criterion (gradients): the whole tensor's error, which no floor or allowed fraction relaxes (no
+    # finite pair at all: rel_l2 None, nothing to measure; NaN/Inf class mismatches fail on their own above)
+    rel_l2_ok = rule.max_rel_l2 is None or rel_l2 is None or rel_l2 <= rule.max_rel_l2
     passed = (n_mism == 0 and n_over <= allowed and n_hard == 0 and n_tol_fail == 0 and n_bound == 0
-              and (p_exact is None or p_exact >= exactness.ALPHA))
+              and (p_exact is None or p_exact >= exactness.ALPHA) and rel_l2_ok)
 
     # statistics
     e_valid = eff[valid]
@@ -358,10 +373,6 @@ def _compare_float(r: np.ndarray, t: np.ndarray, rule: ToleranceRule, name: str,
     frac_exact = float((valid & (raw == 0)).sum() / n) if n else None
     frac_le1 = float((valid & (raw <= 1)).sum() / n) if n else None
 
-    rf, tf = rv[fin], tv[fin]
-    nr, nt = float(np.sqrt((rf * rf).sum())), float(np.sqrt((tf * tf).sum()))
-    nd = float(np.sqrt(((tf - rf) ** 2).sum()))
-    rel_l2 = (nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf)) if rf.size else None
     if not rf.size:
         cosine = None
     elif nr > 0 and nt > 0:
