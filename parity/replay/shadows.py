@@ -18,7 +18,8 @@ kind here, with one interface:
 The kinds (in the order the judge asks them):
 - `semantic` — the semantic-fork shadow (parity.model.semantics): two references, one following the dump's
   semantics and one the intended ones, for a layer a departing fork changes. Status `semantic` where the first
-  matches the dump and the second matches the target.
+  matches the dump and the second matches the target. Both also run the layer's backward (`LayerShadows.backward`),
+  so the layer's backward points are classified alike (issue 33).
 - `variant` — the named-variant shadow (parity.numerics.variants): where the target's input norm (or final norm)
   matched a named variant, the reference computing that variant; points downstream in the layer (the logits for
   the final norm) that it matches are `variant` (inherited).
@@ -125,6 +126,17 @@ def layer_points(res, hidden=None) -> dict:
     return pts
 
 
+def backward_points(res, cotangent=None) -> dict:
+    """A layer_backward result as backward points: the sub-module cotangents, dL/d input as `input`, each weight
+    gradient as `grad.<HF name>` (and the fed `output` cotangent, where given)."""
+    pts = dict(res.points)
+    pts["input"] = res.input_grad
+    if cotangent is not None:
+        pts["output"] = cotangent
+    pts.update({f"grad.{k}": v for k, v in res.param_grads.items()})
+    return pts
+
+
 class Runner:
     """A shadow reference run over one layer's steps beside the target, carrying its own decode state."""
 
@@ -142,6 +154,13 @@ class Runner:
         if not rerun:
             self.state = r.state
         return layer_points(r, hidden)
+
+    def backward(self, hidden, positions, cotangent, forced_topk) -> dict:
+        """The layer's backward points as this shadow computes them, teacher-forced as the target's
+        (`strategies.observe_backward_layer`: dumped prefill input, dumped output cotangent, dumped routing)."""
+        r = self.s.call(f"layer {self.i} backward: layer_backward ({self.label})", self.t.layer_backward, self.i,
+                        hidden, positions, cotangent, forced_topk=forced_topk)
+        return backward_points(r)
 
     def close(self) -> None:
         self.t.unload_layer(self.i)
@@ -211,6 +230,25 @@ class LayerShadows:
         return {forced: (lambda site, p=p: {"dump": p["dump"].get(site), "intended": p["intended"].get(site),
                                             "forks": forks})
                 for forced, p in runs.items()}
+
+    def backward(self, target_points: dict, hidden, positions, cotangent, forced_topk) -> Callable[[str], dict]:
+        """The shadow payloads of the layer's backward points: site -> {kind name: payload}. Only the semantic-fork
+        shadow has a backward (issue 33): where a departing fork changes this layer, both references run the layer's
+        VJP on the same teacher-forced inputs as the target (`target_points`: the target's backward points, standing
+        in for the shadow that is the target itself), so a fork layer's cotangents and weight gradients get
+        `semantic` under the same two conditions as its forward points. (The variant shadow is matched at a forward
+        norm and has no backward; the precision shadow's backward payload is `precision_payload`'s.)"""
+        if self.forks is None:
+            return lambda site: {}
+        forks = [d["fork"] for d in self.s.departures()]
+        grads = {w: target_points if r is None else r.backward(hidden, positions, cotangent, forced_topk)
+                 for w, r in self.forks.items()}
+
+        def at(site: str) -> dict:
+            if grads["dump"].get(site) is None or grads["intended"].get(site) is None:
+                return {}
+            return {SEMANTIC: {"dump": grads["dump"][site], "intended": grads["intended"][site], "forks": forks}}
+        return at
 
     def _match_variant(self, c: StepContext):
         check = c.rounding.get("input_layernorm")
@@ -308,6 +346,8 @@ def _explain_semantic(session, obs: Observation, ref: np.ndarray, test: np.ndarr
     sd, si = np.asarray(sd), np.asarray(si)
     if sd.shape != ref.shape or si.shape != ref.shape:
         return None
+    if obs.point.phase == "backward":  # a gradient is judged as one tensor (its own rule, judge.compare_gradient)
+        from parity.replay.judge import compare_gradient as compare
     if not (compare(ref, sd, rule).passed and compare(si, test, rule).passed):
         return None
     forks = ", ".join(sh.get("forks") or ["?"])
@@ -479,8 +519,7 @@ class HighPrecision:
             res = self.s.call(f"layer {n} backward: layer_backward (fp32 shadow)", self._target().layer_backward, n,
                               hidden, np.arange(hidden.shape[1]), cot.astype(np.float32),
                               forced_topk=_dumped_topk(self.s, Point("prefill", 0, n, "mlp.gate.topk_idx")))
-            self.grads = {**res.points, "input": res.input_grad,
-                          **{f"grad.{k}": v for k, v in res.param_grads.items()}}
+            self.grads = backward_points(res)
         return self.grads
 
     def release(self) -> None:

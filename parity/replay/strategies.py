@@ -28,7 +28,8 @@ from parity.model.config import MLA_NORM_EPS
 from parity.model.points import Point, layer_graph, mtp_site, sites_for_config
 from parity.replay.records import Observation
 from parity.replay.session import Session
-from parity.replay.shadows import LayerShadows, StepContext, head_variant, layer_points, precision_payload
+from parity.replay.shadows import (LayerShadows, StepContext, backward_points, head_variant, layer_points,
+                                   precision_payload)
 
 # an MTP layer's block output and its norm (`final_layernorm:in`, `final_layernorm`) follow its routing too
 ROUTER_DOWNSTREAM = ("mlp.gate.topk_weight", "mlp.routed", "mlp", "output", "final_layernorm:in", "final_layernorm")
@@ -103,7 +104,7 @@ def observe_layer(s: Session, i: int) -> Iterator[Observation]:
             views = shadows.step(StepContext(phase, step, hidden, positions, ref_topk if forcing else None, ref_topk,
                                              pts, forced_pts, rounding))
             yield from _layer_observations(s, phase, step, i, pts, forced_pts, bias, positions, res, rounding, views)
-        yield from observe_backward_layer(s, i)
+        yield from observe_backward_layer(s, i, shadows)
     finally:
         s.target.unload_layer(i)
         shadows.close()
@@ -331,12 +332,14 @@ def _backward_why_not(s: Session) -> str | None:
     return None
 
 
-def observe_backward_layer(s: Session, i: int) -> Iterator[Observation]:
+def observe_backward_layer(s: Session, i: int, shadows: LayerShadows | None = None) -> Iterator[Observation]:
     """The backward phase of layer i, teacher-forced (issue 26): the target's VJP of the layer at the dumped prefill
     `input`, fed the dumped `output` cotangent, routing forced to the dumped prefill top-k (the forward's experts:
     the discrete top-k is not differentiated). Compared: dL/d input, the sub-module cotangents the target taps and
     every weight gradient (HF names). The fed `output` cotangent is recorded as fed (like a layer's forward `input`).
-    The layer's weights are loaded by the caller (`observe_layer`)."""
+    The layer's weights are loaded by the caller (`observe_layer`), and with them its `shadows`: where a departing
+    semantic fork changes the layer, the fork's two references run the same VJP (`LayerShadows.backward`), so the
+    judge can give a fork layer's backward points `semantic` as it does its forward points."""
     from parity.replay.coverage import has_backward
 
     if not has_backward(s.dump):
@@ -357,14 +360,12 @@ def observe_backward_layer(s: Session, i: int) -> Iterator[Observation]:
     topk = _ref_topk(s, "prefill", 0, i) if s.config.is_moe(i) else None
     res = s.call(f"layer {i} backward: layer_backward", s.target.layer_backward, i, hidden, positions, cot,
                  forced_topk=topk)
-    test = dict(res.points)
-    test["input"] = res.input_grad
-    test["output"] = cot  # fed: the dump's own cotangent
-    test.update({f"grad.{k}": v for k, v in res.param_grads.items()})
+    test = backward_points(res, cot)  # `output`: fed, the dump's own cotangent
+    semantic = (lambda site: {}) if shadows is None else shadows.backward(test, hidden, positions, cot, topk)
     why_absent = getattr(res, "missing", None) or {}
     for pt in pts:
         yield Observation(pt, _read(s, pt), test.get(pt.site), s.mode, forced=False,
-                          why_absent=why_absent.get(pt.site), shadows=precision_payload(s, pt))
+                          why_absent=why_absent.get(pt.site), shadows={**precision_payload(s, pt), **semantic(pt.site)})
 
 
 def observe_backward_model(s: Session) -> Iterator[Observation]:
