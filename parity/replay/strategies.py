@@ -30,6 +30,7 @@ from parity.replay.records import Observation
 from parity.replay.session import Session
 from parity.replay.shadows import (LayerShadows, StepContext, backward_points, head_variant, layer_points,
                                    precision_payload)
+from parity.targets.base import Target
 
 # an MTP layer's block output and its norm (`final_layernorm:in`, `final_layernorm`) follow its routing too
 ROUTER_DOWNSTREAM = ("mlp.gate.topk_weight", "mlp.routed", "mlp", "output", "final_layernorm:in", "final_layernorm")
@@ -229,8 +230,7 @@ def observe_isolated(s: Session, i: int) -> Iterator[Observation]:
                                   positions=positions, feeds=site.inputs, expert_bias=bias,
                                   rounding=_norm_check(cfg, i, site.name, inputs, hf))
             history.append((phase, step))
-        yield from _backward_skipped(s, i, "isolated mode: the backward phase is replayed teacher-forced per layer "
-                                           "(layer / forced mode)")
+        yield from observe_isolated_backward(s, i)
     finally:
         s.target.unload_layer(i)
 
@@ -366,6 +366,110 @@ def observe_backward_layer(s: Session, i: int, shadows: LayerShadows | None = No
     for pt in pts:
         yield Observation(pt, _read(s, pt), test.get(pt.site), s.mode, forced=False,
                           why_absent=why_absent.get(pt.site), shadows={**precision_payload(s, pt), **semantic(pt.site)})
+
+
+def _isolated_backward_why_not(s: Session) -> str | None:
+    why = _backward_why_not(s)
+    if why is None and type(s.target).submodule_backward is Target.submodule_backward:
+        why = (f"isolated mode: target {s.target.name} does not implement submodule_backward (the VJP of one "
+               "sub-module at its dumped inputs)")
+    return why
+
+
+def observe_isolated_backward(s: Session, i: int) -> Iterator[Observation]:
+    """The backward phase of layer i in isolated mode (issue 33): every sub-module's VJP on its own dumped tensors.
+    Each site c of the site graph with a computation of its own and a cotangent (`NO_COTANGENT` sites have none) is
+    run by `Target.submodule_backward` at its dumped prefill inputs, fed its dumped cotangent `backward/L/c`. Then
+    - a weight gradient is compared with the VJP of the one site that reads the weight (`grad_param_site`);
+    - a site's cotangent with the sum of its consumers' contributions (the sites whose inputs list it; an alias
+      site — `attention`, a dense layer's `mlp`, the layer `input` — passes its consumers' sum to the tensor it is),
+      accumulated in fp32 and rounded once to the dumped cotangent's dtype;
+    so one wrong sub-module VJP fails exactly the points it feeds. The fed `output` cotangent is recorded as in
+    layer mode. A point a needed tensor is missing for (a consumer's dumped cotangent or input, e.g. the official
+    runtime's in-kernel KDA gate) is skipped naming it; one the graph has no computation for, saying so."""
+    from parity.model.points import NO_COTANGENT, grad_param_site
+    from parity.replay.coverage import has_backward
+
+    if not has_backward(s.dump):
+        return
+    why = _isolated_backward_why_not(s)
+    if why is not None:
+        yield from _backward_skipped(s, i, why)
+        return
+    cfg = s.config
+    graph = layer_graph(cfg.layer_kind(i), cfg.is_moe(i), cfg.q_lora)
+    bp = lambda site: Point("backward", 0, i, site)  # noqa: E731
+    parts: dict[str, list[np.ndarray]] = {}  # site -> its consumers' contributions to its cotangent
+    grads: dict[str, np.ndarray] = {}  # grad.<HF name> -> the gradient through the one site reading the weight
+    blocked: dict[str, str] = {}  # backward site -> why it cannot be computed in isolation
+    feeds: dict[str, list[str]] = {}  # backward site -> the dumped cotangents it is computed from
+    params = [p for p in (x for x in _backward_site_names(s, i) if x.startswith("grad."))]
+    for c in graph:
+        if c.alias or c.name in NO_COTANGENT:
+            continue
+        receivers = [n for n in c.inputs if n not in NO_COTANGENT]
+        own = [p for p in params if grad_param_site(cfg, i, p.removeprefix("grad.")) == c.name]
+        for r in [*receivers, *own]:
+            feeds.setdefault(r, []).append(bp(c.name).key())
+        lacking = next((p for p in [bp(c.name), *(Point("prefill", 0, i, n) for n in c.inputs)]
+                        if not s.dump.has(p)), None)
+        if lacking is not None:
+            for r in [*receivers, *own]:
+                blocked.setdefault(r, f"isolated: the VJP of {c.name} needs {lacking.key()}, which is not in the "
+                                      "dump")
+            continue
+        inputs = {n: s.dump.read(Point("prefill", 0, i, n)) for n in c.inputs}
+        if c.positions:
+            inputs["positions"] = np.arange(_step_len(s, "prefill", 0, i))
+        got = s.call(f"layer {i} backward: submodule_backward {c.name}", s.target.submodule_backward, i, c.name,
+                     inputs, s.dump.read(bp(c.name)))
+        if got is None:
+            for r in [*receivers, *own]:
+                blocked.setdefault(r, f"isolated: target {s.target.name} cannot run the VJP of {c.name} in "
+                                      "isolation")
+            continue
+        d_inputs, d_params = got
+        for r in receivers:
+            if d_inputs.get(r) is not None:
+                parts.setdefault(r, []).append(np.asarray(d_inputs[r]))
+        for p in own:
+            if d_params.get(p.removeprefix("grad.")) is not None:
+                grads[p] = np.asarray(d_params[p.removeprefix("grad.")])
+    # an alias site is the tensor it names: that tensor's cotangent is the alias's consumers' sum
+    for a in graph:
+        for n in a.inputs if a.alias else ():
+            parts[n], feeds[n] = parts.get(a.name, []), feeds.get(a.name, [])
+            if a.name in blocked:
+                blocked[n] = blocked[a.name]
+    for site in _backward_site_names(s, i):
+        pt = bp(site)
+        ref = _read(s, pt)
+        if site == "output":  # fed: the dump's own cotangent (as in layer mode)
+            yield Observation(pt, ref, ref, s.mode)
+            continue
+        skip = blocked.get(site)
+        if skip is None and site not in grads and not parts.get(site):
+            skip = "isolated: no sub-module of the site graph reads this tensor / weight, so no VJP computes it"
+        test = grads.get(site) if site.startswith("grad.") else _cotangent_sum(parts.get(site), ref)
+        yield Observation(pt, ref, None if skip else test, s.mode, skip=skip, feeds=tuple(feeds.get(site, ())))
+
+
+def _backward_site_names(s: Session, i: int) -> list[str]:
+    return [p.site for p in _backward_points(s, i)]
+
+
+def _cotangent_sum(parts: list[np.ndarray] | None, ref: np.ndarray | None) -> np.ndarray | None:
+    """A site's cotangent from its consumers' contributions: one as it is; several summed in fp32 and rounded once
+    to the dumped cotangent's dtype (torch accumulates them in the tensor's dtype, one rounding per add: the
+    difference is within a ULP per add, far inside the gradient rules)."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    total = np.zeros(parts[0].shape, np.float32)
+    for x in parts:
+        total += np.asarray(x).astype(np.float32)
+    return total.astype(ref.dtype if ref is not None else parts[0].dtype)
 
 
 def observe_backward_model(s: Session) -> Iterator[Observation]:
