@@ -195,9 +195,11 @@ def observe_free(s: Session, progress=None) -> Iterator[Observation]:
                                         "mode)")
 
 
-def observe_isolated(s: Session, i: int) -> Iterator[Observation]:
+def observe_isolated(s: Session, i: int, backward: bool = True) -> Iterator[Observation]:
     """Isolated replay of layer i over the dump's prefill and decode steps: every site computed by
-    `Target.submodule` from the dumped tensors the site graph says it is computed from."""
+    `Target.submodule` from the dumped tensors the site graph says it is computed from; then, with `backward` and a
+    dump with the backward phase, every sub-module's VJP (`observe_isolated_backward`). `backward=False`: the
+    forward sites only (the independent-source re-run of a failing layer's forward points, `independent.py`)."""
     cfg = s.config
     hf = s.ckpt.hf_tensors(i)
     s.call(f"layer {i}: load_layer", s.target.load_layer, i, hf)
@@ -230,7 +232,8 @@ def observe_isolated(s: Session, i: int) -> Iterator[Observation]:
                                   positions=positions, feeds=site.inputs, expert_bias=bias,
                                   rounding=_norm_check(cfg, i, site.name, inputs, hf))
             history.append((phase, step))
-        yield from observe_isolated_backward(s, i)
+        if backward:
+            yield from observe_isolated_backward(s, i)
     finally:
         s.target.unload_layer(i)
 
@@ -386,7 +389,8 @@ def observe_isolated_backward(s: Session, i: int) -> Iterator[Observation]:
       accumulated in fp32 and rounded once to the dumped cotangent's dtype;
     so one wrong sub-module VJP fails exactly the points it feeds. The fed `output` cotangent is recorded as in
     layer mode. A point a needed tensor is missing for (a consumer's dumped cotangent or input, e.g. the official
-    runtime's in-kernel KDA gate) is skipped naming it; one the graph has no computation for, saying so."""
+    runtime's inline MLA head gate) is skipped naming it; one the graph has no computation for, saying so.
+    Prefill only: the backward phase is a prefill's."""
     from parity.model.points import NO_COTANGENT, grad_param_site
     from parity.replay.coverage import has_backward
 
@@ -403,7 +407,7 @@ def observe_isolated_backward(s: Session, i: int) -> Iterator[Observation]:
     grads: dict[str, np.ndarray] = {}  # grad.<HF name> -> the gradient through the one site reading the weight
     blocked: dict[str, str] = {}  # backward site -> why it cannot be computed in isolation
     feeds: dict[str, list[str]] = {}  # backward site -> the dumped cotangents it is computed from
-    params = [p for p in (x for x in _backward_site_names(s, i) if x.startswith("grad."))]
+    params = [p for p in _backward_site_names(s, i) if p.startswith("grad.")]
     for c in graph:
         if c.alias or c.name in NO_COTANGENT:
             continue
@@ -429,12 +433,15 @@ def observe_isolated_backward(s: Session, i: int) -> Iterator[Observation]:
                                       "isolation")
             continue
         d_inputs, d_params = got
-        for r in receivers:
-            if d_inputs.get(r) is not None:
-                parts.setdefault(r, []).append(np.asarray(d_inputs[r]))
-        for p in own:
-            if d_params.get(p.removeprefix("grad.")) is not None:
-                grads[p] = np.asarray(d_params[p.removeprefix("grad.")])
+        got_all = {**d_inputs, **{f"grad.{k}": v for k, v in d_params.items()}}
+        for r in [*receivers, *own]:
+            if got_all.get(r) is None:  # an incomplete sum would be compared as if it were whole: never
+                blocked.setdefault(r, f"isolated: target {s.target.name}'s VJP of {c.name} returned no "
+                                      f"{'gradient' if r.startswith('grad.') else 'cotangent'} for {r}")
+            elif r in own:
+                grads[r] = np.asarray(got_all[r])
+            else:
+                parts.setdefault(r, []).append(np.asarray(got_all[r]))
     # an alias site is the tensor it names: that tensor's cotangent is the alias's consumers' sum
     for a in graph:
         for n in a.inputs if a.alias else ():
