@@ -108,6 +108,9 @@ def test_intended_semantics_reports_the_clamp_as_semantic_not_fail():
     assert not {p["site"] for p in bw} & {"output", "mlp", "mlp.shared_experts"}  # cotangents the clamp cannot move
     assert all("swiglu_clamp" in p["reason"] for p in sem)
     assert rep["semantics"]["explained_points"] == len(sem)
+    # the report's keys spell the phase as Point.key does (a backward point is not a decode step)
+    keys = rep["semantics"]["explained"]
+    assert "backward/L05/input" in keys and not any(k.startswith("decode/S000/") for k in keys), keys[:8]
 
 
 def test_an_explicit_clamped_reference_instance_keeps_its_setting_and_is_classified():

@@ -364,7 +364,7 @@ def observe_backward_layer(s: Session, i: int, shadows: LayerShadows | None = No
     res = s.call(f"layer {i} backward: layer_backward", s.target.layer_backward, i, hidden, positions, cot,
                  forced_topk=topk)
     test = backward_points(res, cot)  # `output`: fed, the dump's own cotangent
-    semantic = (lambda site: {}) if shadows is None else shadows.backward(test, hidden, positions, cot, topk)
+    semantic = (lambda site: {}) if shadows is None else shadows.backward(test)
     why_absent = getattr(res, "missing", None) or {}
     for pt in pts:
         yield Observation(pt, _read(s, pt), test.get(pt.site), s.mode, forced=False,
