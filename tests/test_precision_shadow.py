@@ -6,6 +6,10 @@ The XLA-defaults cases run in a subprocess (`LING3_REFERENCE_XLA_DEFAULTS=1`: th
 read at import), on layer 0 of the bundled tiny-bf16 golden, one subprocess for all of them (the compiles dominate).
 Each rule is shown to fail when its subject is broken: a ratio of 0, a shadow that is not high precision (the bf16
 reference in its place), `--parity-strict-variants` — each makes the XLA-defaults replay fail again.
+
+Isolated mode (issue 31 (a)) runs in-process: the reference with its isolated site functions compiled with excess
+precision on (per computation), its own shadow and the RMSNorm guard (`RmsNormCheck.fewer_roundings`), each shown
+to fail when broken.
 """
 
 from __future__ import annotations
@@ -112,9 +116,9 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-# a porting bug and a planted precision loss, in layer 0 of tiny (its first KDA layer). (kda_gate_bf16 is left out:
-# compiled under XLA's defaults it fails no point of this golden — its planted bf16 casts are round trips of
-# elementwise maths, the kind excess precision may elide; see docs/numerics.md)
+# a porting bug and a planted precision loss, in layer 0 of tiny (its first KDA layer). (kda_gate_bf16 is left out to
+# keep this subprocess short: its roundings are reduce_precision ops that XLA keeps, shown cheaply by
+# test_kda_gate_bf16_keeps_its_roundings_under_xla_defaults; the catalogue run under XLA's defaults pins it)
 XLA_MUTANTS = ("kda_conv_without_silu", "kda_beta_bf16")
 
 
@@ -350,3 +354,50 @@ def test_rounding_family_guard_refuses_in_the_verdict():
     assert bad.status == Status.FAIL and "fewer bf16 roundings" in bad.message
     other = RmsNormCheck(x, w, 1e-6, x_unrounded=summed[:, ::-1])  # the subject broken: wrong unrounded rows
     assert judged(xla, other).status == Status.FAIL
+
+
+def _excess_precision_isolated_target():
+    """The reference whose isolated site functions are compiled with XLA's default excess precision (per computation:
+    this process keeps it off otherwise) — a correct port's isolated replay under XLA's defaults, in-process."""
+    import jax
+
+    from parity.targets import reference
+
+    class ExcessPrecisionIsolated(reference.ReferenceTarget):
+        name = "reference-isolated-xla-defaults"
+        _jit = None
+
+        def _isolated_fn(self):
+            if self._jit is None:
+                self._jit = jax.jit(reference._isolated, static_argnames=("site", "spec"),
+                                    compiler_options={"xla_allow_excess_precision": True})
+            return self._jit
+
+    return ExcessPrecisionIsolated()
+
+
+def test_isolated_shadow_accepts_excess_precision_and_fails_when_broken():
+    """Isolated mode, layer 0 of tiny-bf16, sites compiled under XLA's default excess precision: passes, the points that
+    differ (post-attention norm of the unrounded residual sum, the MLP's unrounded silu(g)·u) listed as the variant
+    more-precise-than-reference. The shadow broken (HF's bf16 — the dump itself — in its place) or the ratio 0: the
+    same points fail again."""
+    from unittest import mock
+
+    from parity.numerics.tolerances import default_rules, parse_override
+    from parity.replay import run_replay, shadows
+
+    def run(**kw):
+        rep = run_replay(DUMP, target=_excess_precision_isolated_target(), layers=[0], mode="isolated", **kw)
+        failed = sorted({p["site"] for p in rep["points"] if p["status"] == "fail"})
+        more = [p for p in rep["points"] if (p.get("variant") or {}).get("name") == "more-precise-than-reference"]
+        return rep["passed"], failed, more
+
+    ok, failed, more = run()
+    assert ok and not failed and {p["site"] for p in more} >= {"post_attention_layernorm"}, (failed, len(more))
+    zero = default_rules().merged(parse_override("*:*:*:precision_ratio=0", "test"))
+    ok0, failed0, more0 = run(rules=zero)
+    assert not ok0 and "post_attention_layernorm" in failed0 and not more0
+    dump_as_shadow = lambda self, pt, inputs, state: self.s.dump.read(pt)  # noqa: E731
+    with mock.patch.object(shadows.HighPrecision, "isolated", dump_as_shadow):
+        okb, failedb, moreb = run()
+    assert not okb and "post_attention_layernorm" in failedb and not moreb
