@@ -401,3 +401,25 @@ def test_isolated_shadow_accepts_excess_precision_and_fails_when_broken():
     with mock.patch.object(shadows.HighPrecision, "isolated", dump_as_shadow):
         okb, failedb, moreb = run()
     assert not okb and "post_attention_layernorm" in failedb and not moreb
+
+
+def test_precision_ratios_are_derived_per_mode_and_isolated_is_looked_up_first():
+    """Isolated points get ratios of their own (entries `mode = "isolated"`, first in the section): a corpus point of
+    one mode does not move the other mode's R; the shipped table gives an isolated lookup its isolated entry and a
+    layer lookup the layer one (mlp_out: isolated R from 0.965 and a bf16 combine at 1.13, layer R 1.25)."""
+    from parity.calibration import precision as Q
+    from parity.numerics.tolerances import default_rules
+
+    def pt(mode, ratio, kind=Q.CORRECT):
+        return {"phase": "prefill", "step": 0, "layer": 0, "site": "mlp.down_proj", "class": "mlp_out",
+                "ratio": ratio, "status": "fail", "kind": kind, "run": f"r/{mode}", "target": "xla-defaults",
+                "dump_peak": 0.01, "mode": mode}
+
+    got = Q.derive([pt("layer", 3.0), pt("isolated", 0.5)])
+    assert [c.mode for c in got] == ["isolated", "isolated", "layer", "layer"]  # each mode: the class, then `*`
+    assert got[0].ratio == 1.0 and got[2].ratio == 3.75  # 0.5 × 1.25 -> at least 1; 3.0 × 1.25
+    assert 'mode = "isolated"' in Q.entries(got[:1]) and "mode =" not in Q.entries(got[2:3])
+    rules = default_rules()
+    iso = rules.rule_for("mlp.down_proj", "isolated", "bfloat16", "bfloat16").precision_ratio
+    lay = rules.rule_for("mlp.down_proj", "layer", "bfloat16", "bfloat16").precision_ratio
+    assert 0.965 < iso < 1.13 and lay == 1.25, (iso, lay)
