@@ -26,7 +26,10 @@ The kinds (in the order the judge asks them):
   same bf16 weights and teacher-forced inputs (`HighPrecision`, lazy: run only for a layer where a bf16 point fails).
   A failing bf16 point whose error against it is at most the rule's `precision_ratio` × the dump's own error against
   it is `variant` more-precise-than-reference (e.g. XLA's default excess precision); a target less precise than the
-  dump still fails, its record saying by how much (`precision` entry).
+  dump still fails, its record saying by how much (`precision` entry). In `isolated` mode the shadow is the fp32
+  reference's `submodule` fed the same dumped inputs (`HighPrecision.isolated`, payload from the strategy), judged by
+  the isolated ratios; at an RMSNorm whose rounding check failed, one formula with fewer bf16 roundings must also give
+  every element (`RmsNormCheck.fewer_roundings`: the L2 ratio cannot see an epsilon that flips a few elements).
 
 Adding a kind (e.g. a dot-precision shadow: the reference whose dots run one bf16 pass): write its reference
 configuration as a `ShadowPool.target` key and factory, run it from `LayerShadows` (or lazily, from the payload)
