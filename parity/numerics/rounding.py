@@ -92,7 +92,7 @@ class RmsNormCheck:
     def fewer_roundings(self, test: np.ndarray, scale_noise: float) -> str | None:
         """The formula with fewer bf16 roundings than HF's that gives *every* element of `test` (same row-scale
         tolerance as the check), else None — the rounding check's side of the three-way verdict
-        (parity.replay.shadows, guard `precision.rounding_family`). The family: HF's formula and the single-rounding
+        (parity.replay.shadows, guard `precision.rounding_formula`). The family: HF's formula and the single-rounding
         one (parity.numerics.variants), each on the bf16 input the dump holds and, where HF rounds the input inside
         the module (`x_unrounded`), on the unrounded input — the round trips XLA's default excess precision elides.
         One formula must hold for the whole point: an epsilon or a bf16 statistic leaves every bracket, and mixing

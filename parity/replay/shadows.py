@@ -671,7 +671,7 @@ def _explain_precision(session, obs: Observation, ref: np.ndarray, test: np.ndar
     rounding = stats.get("rounding") or {}
     if rounding.get("applied") and rounding.get("outside") and obs.rounding is not None:
         # an RMSNorm fed dumped rows whose rounding check failed: more precise only if one formula with fewer bf16
-        # roundings gives every element (guard `rounding_family`); the L2 ratio cannot see an epsilon that flips 3
+        # roundings gives every element (guard `rounding_formula`); the L2 ratio cannot see an epsilon that flips 3
         # of 768 elements (ratio ~1, as a correct port's), the bracket can
         entry["rounding_formula"] = obs.rounding.fewer_roundings(test, rule.norm_scale_noise)
         entry["more_precise"] = entry["more_precise"] and entry["rounding_formula"] is not None

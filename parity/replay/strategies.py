@@ -254,7 +254,7 @@ def _add_in_dtype(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 # RMSNorm sites whose input HF rounds to bf16 inside the module a port may fuse: the post-attention norm's residual
-# sum (a port under XLA's default excess precision keeps it in fp32; the three-way verdict's rounding family).
+# sum (a port under XLA's default excess precision keeps it in fp32; the three-way verdict's guard rounding_formula).
 _UNROUNDED_INPUTS = {
     "post_attention_layernorm": lambda cfg, x: x["input"].astype(np.float32) + x["attention"].astype(np.float32),
 }
