@@ -63,6 +63,23 @@ BEYOND_SLICE: dict[str, str] = {
     # the official file's --grads dump: tiny-flash stays (its MTP layer, the clamp lists, the no_grad MoE path)
     "tests/test_backward_dump.py::test_official_grads_dump[tiny]":
         "the tiny-flash case; tiny (q-LoRA) official --grads: tests/test_official_backward.py tiny-100-float32",
+    # golden regeneration (structure, and the tensors' bits on the MANIFEST's CPU kind): the twin fp32 --grads, the
+    # twin bf16 --grads and the official-runtime goldens stay; the two left are the same dumper paths without --grads
+    "tests/test_golden_dumps.py::test_regeneration_*[tiny-bf16.h5]": "tiny-fp32.h5 (tiny) and tiny-flash-bf16.h5 (bf16)",
+    "tests/test_golden_dumps.py::test_regeneration_*[tiny-flash-fp32.h5]":
+        "tiny-flash-bf16.h5 (tiny-flash) and tiny-fp32.h5 (fp32)",
+    # the official file vs the twin: each preset, each KDA path (T=40 recurrent, T=100 chunked), each dtype once
+    "tests/test_official.py::test_official_dump_is_complete_and_equals_the_twin[tiny-40-float32]":
+        "tiny-flash-40-float32 (recurrent) and tiny-100-bfloat16 (tiny)",
+    "tests/test_official.py::test_official_dump_is_complete_and_equals_the_twin[tiny-100-float32]":
+        "tiny-100-bfloat16 (tiny, chunked) and tiny-flash-40-float32 (fp32)",
+    "tests/test_official.py::test_official_dump_is_complete_and_equals_the_twin[tiny-flash-100-*]":
+        "tiny-100-bfloat16 (chunked, bf16) and tiny-flash-40-float32 (tiny-flash)",
+    # the JAX MTP layer vs the twin: each checkpoint and each dtype once
+    "tests/test_jax_mtp.py::test_jax_mtp_matches_the_twin[tiny-flash-float32]":
+        "tiny-flash-bfloat16 (tiny-flash) and tiny-mtp-float32 (fp32)",
+    "tests/test_jax_mtp.py::test_jax_mtp_matches_the_twin[tiny-mtp-bfloat16]":
+        "tiny-mtp-float32 (tiny-mtp) and tiny-flash-bfloat16 (bf16)",
     # a port through taps: the bf16 golden stays (its rounding is the harder case); one broken variant stays
     "tests/test_taps.py::test_portlike_replays_bundled_dumps_through_taps[tiny-fp32.h5]": "the bf16 golden case",
     "tests/test_taps.py::test_portlike_broken_variant_fails_at_its_site[unbiased_routing-*]": "softplus_gate case",
