@@ -9,15 +9,21 @@ from parity.cli.bench import run_child, table
 CKPT = str(Path(__file__).resolve().parents[1] / "dumps" / "ckpt" / "tiny")
 
 
-def test_bench_children_and_table():
-    j = run_child("jax", {"ckpt": CKPT, "layer": 3, "Ts": [8], "repeats": 1})
-    t = run_child("torch", {"ckpt": CKPT, "layers": [3], "Ts": [8], "repeats": 1})
+def test_bench_children_pinned_and_table():
+    """The JAX and twin layer children measure a layer and the table shows it; `--cpus`: each layer child runs on
+    the given CPUs only, and the twin sizes its thread pool from that (one child pair for both claims: each child
+    is a fresh process importing JAX or torch)."""
+    j = run_child("jax", {"ckpt": CKPT, "layer": 3, "Ts": [8], "repeats": 1}, cpus=[0])
+    t = run_child("torch", {"ckpt": CKPT, "layers": [3], "Ts": [8], "repeats": 1}, cpus=[0])
     assert j[0]["kind"] == "mla" and j[0]["moe"] and j[0]["warm"]["min"] > 0 and j[0]["peak_rss_mb"] > 0
     assert t[0]["layer"] == 3 and t[0]["warm"]["min"] > 0
+    assert j[0]["affinity"] == [0] and t[0]["affinity"] == [0] and t[0]["threads"] == 1
     res = {"jax": [dict(j[0], persistent_cache="empty")], "torch": t, "dump": [], "loadavg_start": [0, 0, 0],
            "ncpu": 2}
     out = table(res)
     assert "| 3 | MLA+MoE | 8 |" in out, out
+    free = run_child("torch", {"ckpt": CKPT, "layers": [3], "Ts": [8], "repeats": 1})
+    assert free[0]["affinity"] == sorted(__import__("os").sched_getaffinity(0))
 
 
 def test_bench_dump_child_times_the_writer(tmp_path):
@@ -46,12 +52,3 @@ def test_bench_inputs_round_like_torch():
     ties = np.array([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8], np.float32)
     np.testing.assert_array_equal(ties.astype(ml_dtypes.bfloat16).astype(np.float32),
                                   torch.from_numpy(ties).to(torch.bfloat16).float().numpy())
-
-
-def test_bench_children_pinned_to_cpus():
-    """`--cpus`: each layer child runs on the given CPUs only, and the twin sizes its thread pool from that."""
-    j = run_child("jax", {"ckpt": CKPT, "layer": 1, "Ts": [8], "repeats": 1}, cpus=[0])
-    t = run_child("torch", {"ckpt": CKPT, "layers": [1], "Ts": [8], "repeats": 1}, cpus=[0])
-    assert j[0]["affinity"] == [0] and t[0]["affinity"] == [0] and t[0]["threads"] == 1
-    free = run_child("torch", {"ckpt": CKPT, "layers": [1], "Ts": [8], "repeats": 1})
-    assert free[0]["affinity"] == sorted(__import__("os").sched_getaffinity(0))

@@ -89,7 +89,7 @@ def test_walk_makes_each_checkpoint_once_and_pairs_fp32_with_bf16(monkeypatch, t
                      ("ckpt", "tiny-s1", K.EXACTNESS_DIR), ("run", "tiny/s1/T24/bf16")]
 
 
-def test_load_names_the_missing_key(tmp_path, stored):
+def test_load_names_the_missing_key(tmp_path):
     (tmp_path / "measurements.json").write_text(json.dumps({"command": "c", "date": "d", "machine": "m"}))
     (tmp_path / "exactness_corpus.json").write_text("{}")
     with pytest.raises(P.CalibrationError, match=r"measurements.json: missing key 'corpus'"):

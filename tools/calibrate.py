@@ -174,19 +174,23 @@ def cmd_precision(a: argparse.Namespace, argv: list[str]) -> int:
     spec = Q.PrecisionSpec()
     only = None if not a.runs else tuple(tuple(int(x) if i else x for i, x in enumerate(r.split(":")))
                                          for r in a.runs.split(","))
+    modes = spec.modes if not a.modes else tuple(a.modes.split(","))
+    walked = Q.PrecisionSpec(runs=only or spec.runs, modes=modes)
     with tempfile.TemporaryDirectory() as tmp:
-        points = Q.walk(Path(a.workdir or tmp), Q.PrecisionSpec(runs=only) if only else spec)
+        points = Q.walk(Path(a.workdir or tmp), walked)
     command = _command(argv)
-    if only:  # re-measured runs replace theirs in the stored corpus; the others are kept, both commands recorded
-        stored = P.load_precision(Path(a.out) / P.MEASURED)
+    if only or a.modes:  # re-measured (runs, modes) replace theirs in the stored corpus; the others are kept, both
+        stored = P.load_precision(Path(a.out) / P.MEASURED)  # commands recorded
         if stored is None:
-            raise P.CalibrationError("precision --runs: no stored precision corpus to merge into")
-        redone = {f"{p}/s{s}/T{t}/" for p, s, t in only}
-        points = [p for p in stored[0] if not any(p["run"].startswith(r) for r in redone)] + points
+            raise P.CalibrationError("precision --runs/--modes: no stored precision corpus to merge into")
+        redone = {f"{p}/s{s}/T{t}/" for p, s, t in walked.runs}
+        points = [p for p in stored[0] if not (any(p["run"].startswith(r) for r in redone)
+                                               and Q.point_mode(p) in modes)] + points
         command = f"{stored[1]['command']} && {command}"
     meta = {"command": command, "date": datetime.date.today().isoformat(), "machine": R.machine(),
             "corpus": f"runs {', '.join(f'{p} seed {s} T={t}' for p, s, t in spec.runs)} (bf16, --grads, "
-                      f"{spec.decode_steps} decode steps) × targets {', '.join(Q.corpus_targets())}"}
+                      f"{spec.decode_steps} decode steps) × targets {', '.join(Q.corpus_targets())} × modes "
+                      f"{', '.join(spec.modes)}"}
     _write(P.precision_files(points, meta), Path(a.out))
     return cmd_rules(argparse.Namespace(from_=str(Path(a.out) / P.MEASURED), check=False, out=a.out,
                                         safety=R.SAFETY, bounds_safety=None), ["rules"])
@@ -265,6 +269,8 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--workdir", default=None, help="keep the dumps here (default: a temp dir)")
     q.add_argument("--runs", default=None, help="re-measure only these runs (PRESET:SEED:PROMPT_LEN,...) and keep the "
                                                 "stored points of the others")
+    q.add_argument("--modes", default=None, help="re-measure only these replay modes (layer,isolated) and keep the "
+                                                 "stored points of the others")
     q.add_argument("--out", default=str(ROOT), help="write under this folder instead of the repository")
     s = sub.add_parser("resolution", help="detection resolution of each replay mode")
     s.add_argument("--dump", action="append", default=None, help="dump(s) (default: the bundled dumps)")

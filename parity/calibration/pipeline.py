@@ -144,7 +144,7 @@ def derive_precision_section(points: list[dict], meta: dict) -> tuple[tuple[str,
     ratios = Q.derive(points)
     log = [f"precision corpus: {sum(p['status'] == 'fail' for p in points)} failing points of {len(points)} (bf16 "
            f"runs), {len({p['run'] for p in points})} runs"]
-    log += [f"precision ratio {c.cls:16s} {c.ratio:<6.4g} worst correct {Q._fmt(c.worst_correct)} "
+    log += [f"precision ratio {c.mode:8s} {c.cls:16s} {c.ratio:<6.4g} worst correct {Q._fmt(c.worst_correct)} "
             f"({c.n_correct} pts, {c.worst_correct_at or '-'}); best bug {Q._fmt(c.best_bug)} ({c.n_bug} pts, "
             f"{c.best_bug_at or '-'}); at a bug's site {Q._fmt(c.best_pinned)} ({c.best_pinned_at or '-'})"
             + (" OVERLAP" if c.overlap else "") for c in ratios]

@@ -130,6 +130,19 @@ def fp32_intermediates_target():
             d = self._dtypes[i]
             return replace(r, points=self._cast(dict(r.points), d), output=np.asarray(r.output).astype(d["__out"]))
 
+        def submodule(self, i, site, inputs, state=None):
+            """Isolated mode: the site in fp32 on the dumped inputs upcast exactly, rounded to the dtype the bf16
+            reference gives it."""
+            def up(d):
+                return None if d is None else {k: (np.asarray(v).astype(np.float32)
+                                                   if np.asarray(v).dtype.kind == "f"
+                                                   or np.asarray(v).dtype.name == "bfloat16" else v)
+                                               for k, v in d.items()}
+
+            r = super().submodule(i, site, up(inputs), up(state))
+            low = self._low.submodule(i, site, inputs, state)
+            return None if r is None or low is None else np.asarray(r).astype(np.asarray(low).dtype)
+
         def layer_backward(self, i, hidden, positions, cotangent, forced_topk=None):
             r = super().layer_backward(i, hidden, positions, cotangent, forced_topk=forced_topk)
             low = self._low.layer_backward(i, hidden, positions, cotangent, forced_topk=forced_topk)
@@ -165,11 +178,13 @@ def _target(spec: str, ckpt: str):
 
 
 # ------------------------------------------------------------------------------------------------ measuring
-def measure(dump: str, ckpt: str | None, target: str, layers: Sequence[int] | None = None) -> list[dict]:
-    """Every floating point of a bf16 layer-mode replay that has a shadow, with its ratio to the fp32 shadow and the
-    dump's own peak error against it: [{"site", "phase", "step", "layer", "class", "ratio", "error", "dump_error",
-    "dump_peak", "coarser_grid", "status"}]. The ratio is asked about only where the compare fails (status `fail`);
-    the dump peak is a sample of a correct dump's own error at every point (the shadow is run for every unit)."""
+def measure(dump: str, ckpt: str | None, target: str, layers: Sequence[int] | None = None,
+            mode: str = "layer") -> list[dict]:
+    """Every floating point of a bf16 replay in `mode` (layer or isolated) that has a shadow, with its ratio to the
+    fp32 shadow and the dump's own peak error against it: [{"site", "phase", "step", "layer", "class", "ratio",
+    "error", "dump_error", "dump_peak", "coarser_grid", "status", "mode"}]. The ratio is asked about only where the
+    compare fails (status `fail`); the dump peak is a sample of a correct dump's own error at every point (the shadow
+    is run for every unit)."""
     from parity.replay import replay_records
     from parity.replay.session import Session
     from parity.replay.shadows import PRECISION, precision_entry
@@ -179,7 +194,7 @@ def measure(dump: str, ckpt: str | None, target: str, layers: Sequence[int] | No
     # the verdict itself off: the corpus must see every failing point, not those the shipped ratios already accept
     rules = default_rules().merged(parse_override("*:*:*:precision_ratio=off", "the precision corpus"))
     out = []
-    with Session.open(dump, ckpt, target=_target(target, ckpt), rules=rules) as s:
+    with Session.open(dump, ckpt, target=_target(target, ckpt), rules=rules, mode=mode) as s:
         for r in replay_records(s, layers):
             o = r.observation
             if o is None or o.ref is None or o.test is None:
@@ -197,18 +212,19 @@ def measure(dump: str, ckpt: str | None, target: str, layers: Sequence[int] | No
             out.append({"phase": p.phase, "step": p.step, "layer": p.layer, "site": p.site,
                         "class": ratio_class(_base(p.site), p.phase), "ratio": e["ratio"], "error": e["error"],
                         "dump_error": e["dump_error"], "dump_peak": e["dump_peak"],
-                        "coarser_grid": e["coarser_grid"], "status": r.status.value, "dtype": dt.name})
+                        "coarser_grid": e["coarser_grid"], "status": r.status.value, "dtype": dt.name,
+                        "mode": mode})
     return out
 
 
 def measure_in_subprocess(dump: str, ckpt: str | None, target: str, layers: Sequence[int] | None,
-                          xla_defaults: bool) -> list[dict]:
+                          xla_defaults: bool, mode: str = "layer") -> list[dict]:
     """`measure` in a fresh process (the reference's compiler options are read at import: XLA's defaults need one)."""
     env = dict(os.environ)
     env.pop("LING3_REFERENCE_XLA_DEFAULTS", None)
     if xla_defaults:
         env["LING3_REFERENCE_XLA_DEFAULTS"] = "1"
-    args = [sys.executable, "-m", "parity.calibration.precision", dump, "--target", target]
+    args = [sys.executable, "-m", "parity.calibration.precision", dump, "--target", target, "--mode", mode]
     if ckpt:
         args += ["--ckpt", ckpt]
     if layers is not None:
@@ -227,6 +243,9 @@ class PrecisionSpec:
 
     runs: tuple[tuple[str, int, int], ...] = (("tiny", 1, 40), ("tiny-flash", 2, 100))  # (preset, seed, prompt len)
     decode_steps: int = 2
+    # replay modes the verdict runs in: isolated mode gets ratios of its own (a site fed its own dumped inputs
+    # differs from the dump only by its internal roundings; a layer's points also inherit their inputs' errors)
+    modes: tuple[str, ...] = ("layer", "isolated")
 
 
 def _dump(ckpt: Path, out: Path, seed: int, T: int, decode_steps: int) -> Path:
@@ -255,7 +274,7 @@ def walk(workdir: Path, spec: PrecisionSpec = PrecisionSpec(), log=print) -> lis
         ckpt = BUNDLED_CKPTS / preset
         dump = _dump(ckpt, workdir / f"{preset}-s{seed}-T{T}-bf16.h5", seed, T, spec.decode_steps)
         cfg = Ling3Config.from_pretrained_dir(ckpt, strict=False)
-        for name, (kind, target) in corpus_targets().items():
+        for mode, (name, (kind, target)) in ((m, t) for m in spec.modes for t in corpus_targets().items()):
             layers = None
             if kind == BUG:
                 m = MUTATIONS[name]
@@ -265,13 +284,17 @@ def walk(workdir: Path, spec: PrecisionSpec = PrecisionSpec(), log=print) -> lis
                 if exp.layer is None or exp.layer >= cfg.num_hidden_layers:
                     continue
                 layers = [exp.layer]
-            got = measure_in_subprocess(str(dump), str(ckpt), target, layers, xla_defaults=name == "xla-defaults")
-            run = f"{preset}/s{seed}/T{T}/{name}"
-            points += [{**p, "kind": kind, "run": run, "target": name} for p in got]
-            fails = [p for p in got if p["status"] == "fail"]
-            lo = min((p["ratio"] for p in fails), default=None)
-            hi = max((p["ratio"] for p in fails), default=None)
-            log(f"{run}: {len(fails)} failing point(s) of {len(got)}, ratios {_fmt(lo)}..{_fmt(hi)}")
+            # isolated mode: a bug is measured under the reference's options and under XLA's defaults (its bf16
+            # casts may be elided there: the verdict must refuse what is left of it either way)
+            for xla in ([name == "xla-defaults"] if mode == "layer" or kind == CORRECT else [False, True]):
+                got = measure_in_subprocess(str(dump), str(ckpt), target, layers, xla_defaults=xla, mode=mode)
+                run = (f"{preset}/s{seed}/T{T}/{name}" + ("" if mode == "layer" else f"/{mode}")
+                       + ("/xla-defaults" if xla and kind == BUG else ""))
+                points += [{**p, "kind": kind, "run": run, "target": name} for p in got]
+                fails = [p for p in got if p["status"] == "fail"]
+                lo = min((p["ratio"] for p in fails), default=None)
+                hi = max((p["ratio"] for p in fails), default=None)
+                log(f"{run}: {len(fails)} failing point(s) of {len(got)}, ratios {_fmt(lo)}..{_fmt(hi)}")
     return points
 
 
@@ -293,6 +316,7 @@ class ClassRatio:
     worst_peak: float | None = None
     worst_peak_at: str | None = None
     n_peak: int = 0
+    mode: str = "layer"  # the replay mode the ratio is for ("layer": every mode but isolated, which has its own)
 
 
 def _round_up(x: float) -> float:
@@ -357,7 +381,20 @@ def peak_ceiling(peaks: Sequence[dict], fallback: Sequence[dict]) -> tuple[float
     return _round_up_2(w["dump_peak"] * PEAK_SAFETY), w, len(use)
 
 
+def point_mode(p: dict) -> str:
+    """The replay mode a corpus point was measured in (points stored before isolated mode was walked: layer)."""
+    return p.get("mode", "layer")
+
+
 def derive(points: Iterable[dict], safety: float = SAFETY) -> list[ClassRatio]:
+    """Per replay mode of the corpus (isolated first: its entries are the more specific), one ratio per class the
+    correct corpus holds points of, then the catch-all `*` (`derive_mode`)."""
+    points = list(points)
+    modes = sorted({point_mode(p) for p in points}, key=lambda m: (m != "isolated", m))
+    return [c for m in modes for c in derive_mode([p for p in points if point_mode(p) == m], safety, m)]
+
+
+def derive_mode(points: Sequence[dict], safety: float = SAFETY, mode: str = "layer") -> list[ClassRatio]:
     """One ratio per class the correct corpus holds points of, then the catch-all `*`. Only the points the verdict
     is asked about count: compare failed and no other shadow explained them (status `fail`). Each class also gets
     its ceiling on the dump's own peak error (`peak_ceiling`)."""
@@ -382,14 +419,15 @@ def derive(points: Iterable[dict], safety: float = SAFETY) -> list[ClassRatio]:
                                           [p for p in bugs if p["class"] == c], safety),
                              members, [p for p in points if phase_of(p) == back]))
     out.append(with_peak(derive_class("*", correct, bugs, safety), points, points))
-    return out
+    return [replace(c, mode=mode) for c in out]
 
 
 def entries(ratios: Sequence[ClassRatio], table: str = SECTION) -> str:
     """The section's entries (the [[rule]] format of parity.numerics.tolerances), most specific first."""
     lines = []
     for c in ratios:
-        lines.append(f"# {c.cls}: worst correct ratio {_fmt(c.worst_correct)} ({c.n_correct} points) at "
+        mode = "" if c.mode == "layer" else f"[{c.mode}] "
+        lines.append(f"# {mode}{c.cls}: worst correct ratio {_fmt(c.worst_correct)} ({c.n_correct} points) at "
                      f"{c.worst_correct_at or '-'}; best bug ratio {_fmt(c.best_bug)} ({c.n_bug} points) at "
                      f"{c.best_bug_at or '-'}; at a bug's own site {_fmt(c.best_pinned)} at {c.best_pinned_at or '-'}"
                      + ("; OVERLAP: not separable here" if c.overlap else ""))
@@ -398,7 +436,8 @@ def entries(ratios: Sequence[ClassRatio], table: str = SECTION) -> str:
                      f" at {c.worst_peak_at or '-'}")
         peak = '"off"' if c.dump_peak is None else f"{c.dump_peak:.2g}"
         for glob in (["*"] if c.cls == "*" else class_glob(c.cls)):
-            lines += [f"[[{table}]]", f'site = "{glob}"', 'compute = "bfloat16"', f"precision_ratio = {c.ratio:.4g}",
+            lines += [f"[[{table}]]", f'site = "{glob}"'] + ([] if c.mode == "layer" else [f'mode = "{c.mode}"']) + [
+                      'compute = "bfloat16"', f"precision_ratio = {c.ratio:.4g}",
                       f"precision_dump_peak = {peak}",
                       f'note = "calibrated: {c.cls} (precision corpus)"', ""]
     return "\n".join(lines)
@@ -432,9 +471,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="reference")
     ap.add_argument("--ckpt")
     ap.add_argument("--layers")
+    ap.add_argument("--mode", default="layer", choices=("layer", "isolated"))
     a = ap.parse_args(argv)
     layers = None if not a.layers else [int(x) for x in a.layers.split(",")]
-    print(json.dumps(measure(a.dump, a.ckpt, a.target, layers)))
+    print(json.dumps(measure(a.dump, a.ckpt, a.target, layers, a.mode)))
     return 0
 
 

@@ -72,8 +72,12 @@ class RmsNormCheck:
     strategy that fed the site builds it (it knows the dumped inputs and the layer's weights); the judge applies it
     with the tolerance rule's `norm_scale_noise` (`check`)."""
 
-    def __init__(self, x: np.ndarray, w: np.ndarray, eps: float):
+    def __init__(self, x: np.ndarray, w: np.ndarray, eps: float, x_unrounded: np.ndarray | None = None):
+        """x_unrounded: the norm's input before HF rounds it to bf16, where HF computes it in the same module and a
+        port may keep it in fp32 (the post-attention norm's residual sum input + attention, facts §8); None where
+        the norm is fed a tensor the dump holds as such (its rounding is the dump's, not the port's to skip)."""
         self.x, self.w, self.eps = np.asarray(x), np.asarray(w), float(eps)
+        self.x_unrounded = None if x_unrounded is None else np.asarray(x_unrounded, np.float32)
 
     def rho(self, scale_noise: float) -> float:
         return rho_for(scale_noise, self.x.shape[-1])
@@ -84,6 +88,27 @@ class RmsNormCheck:
         from parity.numerics.variants import matching_variant
 
         return matching_variant(self.x, self.w, self.eps, self.rho(scale_noise), test)
+
+    def fewer_roundings(self, test: np.ndarray, scale_noise: float) -> str | None:
+        """The formula with fewer bf16 roundings than HF's that gives *every* element of `test` (same row-scale
+        tolerance as the check), else None — the rounding check's side of the three-way verdict
+        (parity.replay.shadows, guard `precision.rounding_formula`). The family: HF's formula and the single-rounding
+        one (parity.numerics.variants), each on the bf16 input the dump holds and, where HF rounds the input inside
+        the module (`x_unrounded`), on the unrounded input — the round trips XLA's default excess precision elides.
+        One formula must hold for the whole point: an epsilon or a bf16 statistic leaves every bracket, and mixing
+        formulas per element would let a flipped element borrow a neighbouring formula's bracket."""
+        from parity.numerics.variants import HF_RMSNORM, RMSNORM_VARIANTS, _hf, bracket, variant_bracket, within
+
+        rho = self.rho(scale_noise)
+        inputs = [("bf16 input", self.x)] + ([] if self.x_unrounded is None else [("unrounded input",
+                                                                                   self.x_unrounded)])
+        for label, x in inputs:
+            if label != "bf16 input" and within(test, *bracket(_hf, x, self.w, self.eps, rho)):
+                return f"{HF_RMSNORM} on the {label}"
+            for v in RMSNORM_VARIANTS:
+                if within(test, *variant_bracket(v, x, self.w, self.eps, rho)):
+                    return f"{v.formula} on the {label}"
+        return None
 
     def check(self, ref: np.ndarray, test: np.ndarray, scale_noise: float) -> dict:
         """The report entry: `applied` False (with `why`) where the dump itself lies outside the bracket — the check

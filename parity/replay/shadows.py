@@ -27,7 +27,10 @@ The kinds (in the order the judge asks them):
   same bf16 weights and teacher-forced inputs (`HighPrecision`, lazy: run only for a layer where a bf16 point fails).
   A failing bf16 point whose error against it is at most the rule's `precision_ratio` × the dump's own error against
   it is `variant` more-precise-than-reference (e.g. XLA's default excess precision); a target less precise than the
-  dump still fails, its record saying by how much (`precision` entry).
+  dump still fails, its record saying by how much (`precision` entry). In `isolated` mode the shadow is the fp32
+  reference's `submodule` fed the same dumped inputs (`HighPrecision.isolated`, payload from the strategy), judged by
+  the isolated ratios; at an RMSNorm whose rounding check failed, one formula with fewer bf16 roundings must also give
+  every element (`RmsNormCheck.fewer_roundings`: the L2 ratio cannot see an epsilon that flips a few elements).
 
 Adding a kind (e.g. a dot-precision shadow: the reference whose dots run one bf16 pass): write its reference
 configuration as a `ShadowPool.target` key and factory, run it from `LayerShadows` (or lazily, from the payload)
@@ -529,6 +532,18 @@ class HighPrecision:
                 return None
         return self.steps.get(key, {}).get(site)
 
+    def isolated(self, pt: Point, inputs: dict, state: dict | None) -> np.ndarray | None:
+        """The shadow's array at an isolated site (`--parity-mode isolated`): the fp32 reference's `submodule` fed the
+        same dumped inputs (and dumped earlier-step state) as the target, upcast exactly to fp32 — so the shadow is
+        the site's own formula without any of its internal bf16 roundings, on exactly the target's inputs."""
+        n = pt.layer
+        self._hold(("layer", n))
+        x = {k: _upcast(v) for k, v in inputs.items()}
+        st = None if state is None else {k: _upcast(v) for k, v in state.items()}
+        out = self.s.call(f"layer {n} {pt.phase} step {pt.step}: submodule {pt.site} (fp32 shadow)",
+                          self._target().submodule, n, pt.site, x, st)
+        return None if out is None else np.asarray(out)
+
     def _positions(self, phase: str, step: int, T: int) -> np.ndarray:
         P = int(self.s.dump.prompt_len)
         return np.arange(T) if phase == "prefill" else np.arange(P + step - 1, P + step - 1 + T)
@@ -601,6 +616,30 @@ def _dumped_topk(s, p: Point):
     return s.dump.read(p).astype(np.int32) if s.dump.has(p) else None
 
 
+def _upcast(a: Any) -> Any:
+    """A floating array (bf16 or fp32) as fp32, exactly; anything else (token positions, expert ids) unchanged."""
+    arr = np.asarray(a)
+    return arr.astype(np.float32) if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16" else a
+
+
+class IsolatedPrecisionPayload:
+    """What an isolated observation carries for the `precision` kind: the point, what it was fed, and the session's
+    lazy shadow (run only if the judge asks: a failing point)."""
+
+    def __init__(self, shadow: "HighPrecision", point: Point, inputs: dict, state: dict | None) -> None:
+        self.shadow, self.point, self.inputs, self.state = shadow, point, inputs, state
+
+    def array(self) -> np.ndarray | None:
+        return self.shadow.isolated(self.point, self.inputs, self.state)
+
+
+def isolated_precision_payload(session, point: Point, inputs: dict, state: dict | None) -> dict:
+    """The `precision` payload of a layer site in `isolated` mode ({} for a dump not computed in bf16)."""
+    if session.mode != "isolated" or session.dtype != "bfloat16":
+        return {}
+    return {PRECISION: IsolatedPrecisionPayload(session.shadows.high_precision(), point, inputs, state)}
+
+
 class PrecisionPayload:
     """What an observation carries for the `precision` kind: the point, and the session's lazy shadow."""
 
@@ -612,9 +651,13 @@ class PrecisionPayload:
 
 
 def precision_payload(session, point: Point) -> dict:
-    """The `precision` payload of a point in `layer` / `forced` mode ({} elsewhere, and for a dump not computed in
-    bf16): the shadow is run only if the judge asks (a point that fails)."""
-    if session.mode not in ("layer", "forced") or session.dtype != "bfloat16":
+    """The `precision` payload of a point in `layer` / `forced` mode, and of the model points (`final_norm`,
+    `logits`: the head fed the dumped last-layer output, as in those modes) in `isolated` mode ({} elsewhere, and
+    for a dump not computed in bf16): the shadow is run only if the judge asks (a point that fails)."""
+    if session.dtype != "bfloat16":
+        return {}
+    if session.mode not in ("layer", "forced") and not (session.mode == "isolated" and point.layer is None
+                                                         and mtp_site(point.site) is None):
         return {}
     return {PRECISION: PrecisionPayload(session.shadows.high_precision(), point)}
 
@@ -695,6 +738,9 @@ def refusal(entry: dict) -> str:
         return ""
     if entry["coarser_grid"]:
         return "the target rounds to bf16 where the dump keeps fp32: less precise"
+    if "rounding_formula" in entry and entry["rounding_formula"] is None:
+        return ("its elements leave the bracket of every RMSNorm formula with fewer bf16 roundings (HF's or the "
+                "single-rounding one, on the bf16 or the unrounded input): not a rounding difference")
     if entry["allowed_dump_peak"] is not None and entry["dump_peak"] > entry["allowed_dump_peak"]:
         return (f"the dump's own error against the fp32 shadow peaks at {entry['dump_peak']:.3g}× the row RMS, beyond "
                 f"rounding (≤ {entry['allowed_dump_peak']:g}): the disagreement is not precision")
@@ -724,6 +770,13 @@ def _explain_precision(session, obs: Observation, ref: np.ndarray, test: np.ndar
     if arr.shape != test.shape:
         return None
     entry = precision_entry(ref, test, arr, rule.precision_ratio, rule.precision_dump_peak)
+    rounding = stats.get("rounding") or {}
+    if rounding.get("applied") and rounding.get("outside") and obs.rounding is not None:
+        # an RMSNorm fed dumped rows whose rounding check failed: more precise only if one formula with fewer bf16
+        # roundings gives every element (guard `rounding_formula`); the L2 ratio cannot see an epsilon that flips 3
+        # of 768 elements (ratio ~1, as a correct port's), the bracket can
+        entry["rounding_formula"] = obs.rounding.fewer_roundings(test, rule.norm_scale_noise)
+        entry["more_precise"] = entry["more_precise"] and entry["rounding_formula"] is not None
     stats["precision"] = entry
     if not entry["more_precise"]:
         return None

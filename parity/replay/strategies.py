@@ -28,8 +28,8 @@ from parity.model.config import MLA_NORM_EPS
 from parity.model.points import Point, layer_graph, mtp_site, sites_for_config
 from parity.replay.records import Observation
 from parity.replay.session import Session
-from parity.replay.shadows import (LayerShadows, StepContext, backward_points, head_variant, layer_points,
-                                   precision_payload)
+from parity.replay.shadows import (LayerShadows, StepContext, backward_points, head_variant,
+                                   isolated_precision_payload, layer_points, precision_payload)
 from parity.targets.base import Target
 
 # an MTP layer's block output and its norm (`final_layernorm:in`, `final_layernorm`) follow its routing too
@@ -230,7 +230,8 @@ def observe_isolated(s: Session, i: int, backward: bool = True) -> Iterator[Obse
                               site.name, inputs, state)
                 yield Observation(pt, s.dump.read(pt), None if test is None else np.asarray(test), s.mode,
                                   positions=positions, feeds=site.inputs, expert_bias=bias,
-                                  rounding=_norm_check(cfg, i, site.name, inputs, hf))
+                                  rounding=_norm_check(cfg, i, site.name, inputs, hf),
+                                  shadows=isolated_precision_payload(s, pt, inputs, state))
             history.append((phase, step))
         if backward:
             yield from observe_isolated_backward(s, i)
@@ -255,15 +256,24 @@ def _add_in_dtype(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a.astype(np.float32) + b.astype(np.float32)).astype(a.dtype)
 
 
+# RMSNorm sites whose input HF rounds to bf16 inside the module a port may fuse: the post-attention norm's residual
+# sum (a port under XLA's default excess precision keeps it in fp32; the three-way verdict's guard rounding_formula).
+_UNROUNDED_INPUTS = {
+    "post_attention_layernorm": lambda cfg, x: x["input"].astype(np.float32) + x["attention"].astype(np.float32),
+}
+
+
 def _norm_check(cfg, i: int, site: str, inputs: dict, hf: dict):
     """The rounding check of layer i's RMSNorm `site` fed its dumped inputs (bf16 rows), else None."""
     spec = _NORM_SITES.get(site)
     if spec is None:
         return None
-    return _rms_check(spec[1](cfg, inputs), hf.get(f"model.layers.{i}.{site}.weight"), spec[0](cfg))
+    unrounded = _UNROUNDED_INPUTS.get(site)
+    return _rms_check(spec[1](cfg, inputs), hf.get(f"model.layers.{i}.{site}.weight"), spec[0](cfg),
+                      None if unrounded is None else unrounded(cfg, inputs))
 
 
-def _rms_check(x: np.ndarray, w: np.ndarray | None, eps: float):
+def _rms_check(x: np.ndarray, w: np.ndarray | None, eps: float, x_unrounded: np.ndarray | None = None):
     """The rounding check (parity.numerics.rounding) of an RMSNorm with weight w fed the dumped rows x, where x is
     bf16 and the weight exists; else None. The judge applies it where the rule sets `norm_scale_noise`. Used for the
     layer norms (`_NORM_SITES`), the model's final norm and an MTP layer's enorm / hnorm (facts §6, §2:
@@ -272,7 +282,7 @@ def _rms_check(x: np.ndarray, w: np.ndarray | None, eps: float):
 
     if w is None or np.asarray(x).dtype.name != "bfloat16":
         return None
-    return RmsNormCheck(x, w, eps)
+    return RmsNormCheck(x, w, eps, x_unrounded)
 
 
 def _step_len(s: Session, phase: str, step: int, i: int) -> int:
