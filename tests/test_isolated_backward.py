@@ -2,7 +2,7 @@
 (`parity.replay.strategies.observe_isolated_backward`, `Target.submodule_backward`).
 
 On the bundled bf16 golden `tiny-flash-bf16` (100 tokens: the chunked KDA's VJP), one layer each, so the replays stay
-short: layer 0 is KDA + dense MLP. What isolated mode promises is the test's subject: a bug in one sub-module's VJP
+short: layer 0 is KDA + dense MLP, layer 2 KDA + MoE. What isolated mode promises is the test's subject: a bug in one sub-module's VJP
 fails exactly the backward points that VJP computes, every other point (fed the dump's own cotangents, not the
 buggy ones) passes as in the clean run.
 """
@@ -23,7 +23,7 @@ from parity.targets.reference import ReferenceTarget
 
 BF16 = DUMPS / "tiny-flash-bf16.h5"
 OFFICIAL = DUMPS / "tiny-flash-official-bf16.h5"
-KDA_DENSE = 0  # tiny-flash layout: layers 0-1 KDA + dense MLP, 2-4 KDA + MoE, 5-7 MLA + MoE
+KDA_DENSE, FIRST_MOE = 0, 2  # tiny-flash layout: layers 0-1 KDA + dense MLP, 2-4 KDA + MoE, 5-7 MLA + MoE
 
 
 def _backward(rep, layer: int) -> dict[str, dict]:
@@ -46,14 +46,20 @@ def test_isolated_mode_replays_every_backward_point_of_a_layer(clean):
     assert clean["passed"]
 
 
-def test_a_backward_bug_fails_exactly_the_points_its_vjp_computes():
-    """bw_kda_gate_detached: the decay gate's VJP is zero (forward bit-identical). Its VJP alone computes f_proj's
-    cotangent and the A_log / dt_bias gradients; f_proj's weight gradient is fed the dump's f_proj cotangent and the
-    gate's own cotangent comes from the KDA core's VJP, so both pass."""
-    rep = run_replay(BF16, mode="isolated", layers=[KDA_DENSE], target=MutantTarget("bw_kda_gate_detached"))
-    bw = _backward(rep, KDA_DENSE)
+@pytest.mark.parametrize("mutant, layer, expected", [
+    # the decay gate's VJP is zero: it alone computes f_proj's cotangent and the A_log / dt_bias gradients; f_proj's
+    # weight gradient is fed the dump's f_proj cotangent and the gate's own cotangent comes from the KDA core's VJP
+    ("bw_kda_gate_detached", KDA_DENSE, {"attention.f_proj", "grad.attention.A_log", "grad.attention.dt_bias"}),
+    # the top-k weights' VJP is zero (a MoE layer: the routed experts' VJP with the dumped ids closed over): only the
+    # router logits' cotangent comes from it; the router's weight gradient is fed the dump's logits cotangent
+    ("bw_router_weight_detached", FIRST_MOE, {"mlp.gate.logits"}),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_a_backward_bug_fails_exactly_the_points_its_vjp_computes(mutant, layer, expected):
+    """Forward bit-identical backward bugs (parity.targets.mutants.BACKWARD_MUTATIONS) in isolated mode."""
+    rep = run_replay(BF16, mode="isolated", layers=[layer], target=MutantTarget(mutant))
+    bw = _backward(rep, layer)
     failed = {s for s, p in bw.items() if p["status"] == "fail"}
-    assert failed == {"attention.f_proj", "grad.attention.A_log", "grad.attention.dt_bias"}, failed
+    assert failed == expected, failed
     assert {p["status"] for s, p in bw.items() if s not in failed} == {"pass"}
     assert not [p for p in rep["points"] if p["phase"] != "backward" and p["status"] == "fail"]  # forward intact
     assert not rep["passed"]
