@@ -238,11 +238,18 @@ class RulesTable:
     _memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def _resolve(self, site: str, mode: str, dtype: str, compute_dtype: str | None) -> dict[str, tuple[Any, str]]:
-        got: dict[str, tuple[Any, str]] = {}
-        for e in self.entries:
-            if not e.when and e.matches(site, mode, dtype, compute_dtype or ""):
-                for f, v in e.fields:
-                    got.setdefault(f, (v, e.source))
+        """{field: (value, source entry)} for one key, memoised: `value_for` is asked once per corpus point by the
+        calibration pipeline (hundreds of thousands of points, a few hundred distinct keys). Callers must not
+        mutate the returned dict."""
+        key = ("resolve", site, mode, dtype, compute_dtype)
+        got = self._memo.get(key)
+        if got is None:
+            got = {}
+            for e in self.entries:
+                if not e.when and e.matches(site, mode, dtype, compute_dtype or ""):
+                    for f, v in e.fields:
+                        got.setdefault(f, (v, e.source))
+            self._memo[key] = got
         return got
 
     def rule_for(self, site: str, mode: str, dtype: str, compute_dtype: str | None = None) -> ToleranceRule:
