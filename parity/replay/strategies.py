@@ -289,6 +289,27 @@ def _step_len(s: Session, phase: str, step: int, i: int) -> int:
     return int(s.dump.prompt_len) if phase == "prefill" else 1
 
 
+def dumped_feed(s: Session, pt: Point, site) -> tuple[dict | None, dict | None, str | None]:
+    """What isolated mode feeds site `site` (a `parity.model.points.Site` of layer pt.layer) at pt's step: its dumped
+    inputs (with the tokens' positions where it takes them), the dumped earlier-step state a decode step continues
+    from, or why it cannot be fed -> (inputs, state, why). `observe_isolated` feeds the same; the layer-mode
+    three-way verdict uses it for the dump's own departure at a site (`HighPrecision.local`)."""
+    i, phase, step = pt.layer, pt.phase, pt.step
+    inputs, why = _read_all(s, [Point(phase, step, i, n) for n in site.inputs])
+    if why is not None:
+        return None, None, why
+    state = None
+    if phase == "decode":
+        steps = s.steps()
+        history = steps[:steps.index((phase, step))] if (phase, step) in steps else []
+        state, why = _earlier_state(s, site, i, history)
+        if why is not None:
+            return None, None, why
+    if site.positions:
+        inputs["positions"] = _positions(s, phase, step, _step_len(s, phase, step, i))
+    return inputs, state, None
+
+
 def _read_all(s: Session, points: list[Point]) -> tuple[dict[str, np.ndarray], str | None]:
     out = {}
     for p in points:
