@@ -85,9 +85,8 @@ def test_a_target_without_mtp_skips_the_mtp_points_saying_so():
 
 def test_intended_semantics_reports_the_clamp_as_semantic_not_fail():
     rep = run_replay(OFFICIAL, semantics="intended")
-    # forward points: backward points are not classified by semantic forks yet (no backward shadow; known limit in
-    # docs/replay.md), so a reference departing from the dump's semantics fails them at the fork's layers
-    st = Counter(p["status"] for p in rep["points"] if p["phase"] != "backward")
+    # both phases: the backward points of the clamped layers are classified by the fork's backward shadow (issue 33)
+    st = Counter(p["status"] for p in rep["points"])
     assert st["fail"] == 0 and st["semantic"] > 0, st
     sem = [p for p in rep["points"] if p["status"] == "semantic"]
     from parity.dumpfile import DumpReader
@@ -97,17 +96,29 @@ def test_intended_semantics_reports_the_clamp_as_semantic_not_fail():
     clamped = {i for i in range(cfg.num_hidden_layers)
                if cfg.expert_swiglu_limit(i) or cfg.shared_swiglu_limit(i)}
     assert clamped and {p["layer"] for p in sem} <= clamped
-    assert {p["site"] for p in sem} <= {"mlp.routed", "mlp.shared_experts", "mlp", "output"}
+    fwd = [p for p in sem if p["phase"] != "backward"]
+    assert {p["site"] for p in fwd} <= {"mlp.routed", "mlp.shared_experts", "mlp", "output"}
+    # the clamp is inside the shared expert's SwiGLU: its output cotangent (= the layer output's) is untouched, its
+    # VJP is not — its down_proj gradient (fed the clamped activation) and every cotangent upstream of it, down to
+    # the layer's dL/d input, differ. Every clamped layer has such semantic backward points.
+    bw = [p for p in sem if p["phase"] == "backward"]
+    assert {p["layer"] for p in bw} == clamped, Counter(p["layer"] for p in bw)
+    assert {p["site"] for p in bw} >= {"grad.mlp.shared_experts.down_proj.weight", "post_attention_layernorm",
+                                       "input"}, sorted({p["site"] for p in bw})
+    assert not {p["site"] for p in bw} & {"output", "mlp", "mlp.shared_experts"}  # cotangents the clamp cannot move
     assert all("swiglu_clamp" in p["reason"] for p in sem)
     assert rep["semantics"]["explained_points"] == len(sem)
+    # the report's keys spell the phase as Point.key does (a backward point is not a decode step)
+    keys = rep["semantics"]["explained"]
+    assert "backward/L05/input" in keys and not any(k.startswith("decode/S000/") for k in keys), keys[:8]
 
 
 def test_an_explicit_clamped_reference_instance_keeps_its_setting_and_is_classified():
     """An instance the caller built keeps clamp=True (not overridden by the dump's semantics); its differences at the
     clamped layers are the fork's, so `semantic`."""
     rep = run_replay(OFFICIAL, target=ReferenceTarget(clamp=True))
-    st = Counter(p["status"] for p in rep["points"] if p["phase"] != "backward")  # forward: see the test above
-    assert st["fail"] == 0 and st["semantic"] > 0, st
+    st = Counter((p["phase"] == "backward", p["status"]) for p in rep["points"])
+    assert st[(False, "fail")] == st[(True, "fail")] == 0 and st[(False, "semantic")] and st[(True, "semantic")], st
 
 
 def test_a_real_bug_on_a_clamped_layer_stays_a_failure_under_intended_semantics():
@@ -118,6 +129,22 @@ def test_a_real_bug_on_a_clamped_layer_stays_a_failure_under_intended_semantics(
     fails = [p for p in rep["points"] if p["status"] == "fail"]
     assert any(p["site"] == "mlp.shared_experts" and p["layer"] >= 5 for p in fails), Counter(
         (p["layer"], p["site"], p["status"]) for p in rep["points"] if p["status"] != "pass")
+
+
+def test_a_backward_bug_on_a_clamped_layer_stays_a_failure_under_intended_semantics():
+    """Negative control of the backward shadow: the shared expert's gradient doubled (forward bit-identical) on a
+    layer the clamp changes. The fork explains the clamp's own differences, never the bug: the shared expert's
+    cotangent, where the bug starts, fails and is the first divergence. One layer (5, the first clamped one)."""
+    rep = run_replay(OFFICIAL, target=MutantTarget("bw_shared_expert_grad_twice", clamp=True), semantics="intended",
+                     layers=[5])
+    bw = {p["site"]: p["status"] for p in rep["points"] if p["phase"] == "backward" and p["layer"] == 5}
+    assert bw["mlp.shared_experts"] == "fail" and "semantic" not in bw.values(), Counter(bw.values())
+    fd = rep["first_divergence"]
+    assert (fd["phase"], fd["layer"], fd["site"]) == ("backward", 5, "mlp.shared_experts"), fd
+    assert fd["source"]["site"] == "mlp.shared_experts"
+    # the forward is bit-identical to the clamped reference: its clamp differences stay `semantic`, none fails
+    fwd = Counter(p["status"] for p in rep["points"] if p["phase"] != "backward")
+    assert fwd["fail"] == 0 and fwd["semantic"] > 0, fwd
 
 
 def test_semantics_option_is_validated():

@@ -95,7 +95,8 @@ def report_section(sem: dict[str, Any] | None, replayed_with: str, records: list
     keys = []
     for r in explained:
         lay = "model" if r.get("layer") is None else f"L{r['layer']:02d}"
-        ph = "prefill" if r.get("phase") == "prefill" else f"decode/S{r.get('step', 0):03d}"
+        # prefill and backward have one step each (no step group, as `Point.key`)
+        ph = r["phase"] if r.get("phase") in ("prefill", "backward") else f"decode/S{r.get('step', 0):03d}"
         keys.append(f"{ph}/{lay}/{r['site']}")
     return {"recorded": sem or None, "replayed_with": replayed_with, "departures": departures(sem),
             "explained_points": len(explained), "explained": keys[:200]}

@@ -28,7 +28,7 @@ def isolated_verdicts(s, i: int, failing: set[tuple[str, int, str]]) -> tuple[di
                     "`submodule` to get them")
     iso = dataclasses.replace(s, mode="isolated")  # same dump, checkpoint, target, rules and watchdog
     out = {}
-    for rec in judge(iso, observe_isolated(iso, i)):
+    for rec in judge(iso, observe_isolated(iso, i, backward=False)):  # forward points only are re-judged
         key = (rec.point.phase, rec.point.step, rec.point.site)
         if key in failing:
             out[key] = rec.status == Status.FAIL

@@ -18,7 +18,8 @@ kind here, with one interface:
 The kinds (in the order the judge asks them):
 - `semantic` — the semantic-fork shadow (parity.model.semantics): two references, one following the dump's
   semantics and one the intended ones, for a layer a departing fork changes. Status `semantic` where the first
-  matches the dump and the second matches the target.
+  matches the dump and the second matches the target. Both also run the layer's backward, lazily for a failing
+  backward point (`ForkBackward`), so the layer's backward points are classified alike (issue 33).
 - `variant` — the named-variant shadow (parity.numerics.variants): where the target's input norm (or final norm)
   matched a named variant, the reference computing that variant; points downstream in the layer (the logits for
   the final norm) that it matches are `variant` (inherited).
@@ -102,6 +103,12 @@ class ShadowPool:
         a, b = s.fork_options("dump"), s.fork_options("intended")
         return layer_spec(s.config, i, s.dtype, **a) != layer_spec(s.config, i, s.dtype, **b)
 
+    def fork_backward(self) -> "ForkBackward":
+        """The session's lazy backward of the semantic-fork shadow (kind `semantic`, issue 33)."""
+        if getattr(self, "_fork_backward", None) is None:
+            self._fork_backward = ForkBackward(self.session)
+        return self._fork_backward
+
     def high_precision(self) -> "HighPrecision":
         """The session's lazy high-precision (fp32) shadow (kind `precision`)."""
         if getattr(self, "_precision", None) is None:
@@ -112,6 +119,9 @@ class ShadowPool:
         return list(self._built.values())
 
     def clear(self) -> None:
+        if getattr(self, "_fork_backward", None) is not None:
+            self._fork_backward.release()
+            self._fork_backward = None
         if getattr(self, "_precision", None) is not None:
             self._precision.release()
             self._precision = None
@@ -125,6 +135,17 @@ def layer_points(res, hidden=None) -> dict:
     pts.setdefault("output", res.output)
     if hidden is not None:
         pts.setdefault("input", hidden)
+    return pts
+
+
+def backward_points(res, cotangent=None) -> dict:
+    """A layer_backward result as backward points: the sub-module cotangents, dL/d input as `input`, each weight
+    gradient as `grad.<HF name>` (and the fed `output` cotangent, where given)."""
+    pts = dict(res.points)
+    pts["input"] = res.input_grad
+    if cotangent is not None:
+        pts["output"] = cotangent
+    pts.update({f"grad.{k}": v for k, v in res.param_grads.items()})
     return pts
 
 
@@ -215,6 +236,21 @@ class LayerShadows:
                                             "forks": forks})
                 for forced, p in runs.items()}
 
+    def backward(self, target_points: dict) -> Callable[[str], dict]:
+        """The shadow payloads of the layer's backward points: site -> {kind name: payload}. Only the semantic-fork
+        shadow has a backward (issue 33): where a departing fork changes this layer, a backward point's payload
+        gives both references' VJP of the layer on the same teacher-forced inputs as the target (`ForkBackward`,
+        run only if the judge asks: a failing point; `target_points`, the target's backward points, stand in for
+        the shadow that is the target itself), so a fork layer's cotangents and weight gradients get `semantic`
+        under the same two conditions as its forward points. (The variant shadow is matched at a forward norm and
+        has no backward; the precision shadow's backward payload is `precision_payload`'s.)"""
+        if self.forks is None:
+            return lambda site: {}
+        forks = [d["fork"] for d in self.s.departures()]
+        is_target = {w: r is None for w, r in self.forks.items()}
+        lazy = self.s.shadows.fork_backward()
+        return lambda site: {SEMANTIC: ForkBackwardPayload(lazy, self.i, site, forks, is_target, target_points)}
+
     def _match_variant(self, c: StepContext):
         check = c.rounding.get("input_layernorm")
         pt = Point(c.phase, c.step, self.i, "input_layernorm")
@@ -238,6 +274,71 @@ class LayerShadows:
         for r in [*(self.forks or {}).values(), None if self.variant is None else self.variant[1]]:
             if r is not None:
                 r.close()
+
+
+class ForkBackward:
+    """The semantic-fork shadow's backward phase (lazy; kind `semantic`): the reference following the dump's or the
+    intended semantics, its VJP of layer i fed exactly what the target's was (`strategies.observe_backward_layer`:
+    the dumped prefill `input`, `output` cotangent and top-k). Run when the judge first asks for a point of the layer
+    (a failing backward point of a fork layer); one layer held at a time (a replay judges layers in order). Its own
+    reference instances (`<which>:backward` in the pool): the judge may ask after the layer's forward shadows were
+    unloaded, and must never unload a layer they still hold. The jitted VJP is shared per layer function, so they
+    compile nothing new."""
+
+    def __init__(self, session) -> None:
+        self.s = session
+        self.layer: int | None = None
+        self.points: dict[str, dict] = {}
+
+    def point(self, i: int, which: str, site: str) -> Any:
+        if self.layer != i:
+            self.layer, self.points = i, {}
+        if which not in self.points:
+            self.points[which] = self._run(i, which)
+        return self.points[which].get(site)
+
+    def _target(self, which: str):
+        from parity.targets.reference import ReferenceTarget
+
+        opts = self.s.fork_options(which)
+        return self.s.shadows.target(f"{which}:backward", lambda: ReferenceTarget(**opts))
+
+    def _run(self, i: int, which: str) -> dict:
+        s, dump = self.s, self.s.dump
+        feeds = [Point("prefill", 0, i, "input"), Point("backward", 0, i, "output")]
+        if not all(dump.has(p) for p in feeds):
+            return {}
+        hidden, cot = dump.read(feeds[0]), dump.read(feeds[1])
+        t, label = self._target(which), f"reference, {which} semantics"
+        s.call(f"layer {i}: load_layer ({label}, backward)", t.load_layer, i, s.ckpt.hf_tensors(i))
+        try:
+            r = s.call(f"layer {i} backward: layer_backward ({label})", t.layer_backward, i, hidden,
+                       np.arange(hidden.shape[1]), cot,
+                       forced_topk=_dumped_topk(s, Point("prefill", 0, i, "mlp.gate.topk_idx")))
+        finally:
+            t.unload_layer(i)
+        return backward_points(r)
+
+    def release(self) -> None:
+        self.layer, self.points = None, {}
+
+
+class ForkBackwardPayload:
+    """A backward point's `semantic` payload: `get("dump" | "intended")` -> that reference's array at the point (the
+    target's own where the target is that reference), `get("forks")` -> the departing forks; the shadows run on the
+    first `get` of an array (`ForkBackward`)."""
+
+    def __init__(self, lazy: ForkBackward, i: int, site: str, forks: list[str], is_target: dict[str, bool],
+                 target_points: dict) -> None:
+        self.lazy, self.i, self.site, self.forks = lazy, i, site, forks
+        self.is_target, self.target_points = is_target, target_points
+
+    def get(self, key: str) -> Any:
+        if key == "forks":
+            return self.forks
+        if self.is_target[key]:
+            return self.target_points.get(self.site)
+        return self.lazy.point(self.i, key, self.site)
 
 
 class _Views:
@@ -311,6 +412,8 @@ def _explain_semantic(session, obs: Observation, ref: np.ndarray, test: np.ndarr
     sd, si = np.asarray(sd), np.asarray(si)
     if sd.shape != ref.shape or si.shape != ref.shape:
         return None
+    if obs.point.phase == "backward":  # a gradient is judged as one tensor (its own rule, judge.compare_gradient)
+        from parity.replay.judge import compare_gradient as compare
     if not (compare(ref, sd, rule).passed and compare(si, test, rule).passed):
         return None
     forks = ", ".join(sh.get("forks") or ["?"])
@@ -521,8 +624,7 @@ class HighPrecision:
             res = self.s.call(f"layer {n} backward: layer_backward (fp32 shadow)", self._target().layer_backward, n,
                               hidden, np.arange(hidden.shape[1]), cot.astype(np.float32),
                               forced_topk=_dumped_topk(self.s, Point("prefill", 0, n, "mlp.gate.topk_idx")))
-            self.grads = {**res.points, "input": res.input_grad,
-                          **{f"grad.{k}": v for k, v in res.param_grads.items()}}
+            self.grads = backward_points(res)
         return self.grads
 
     def release(self) -> None:

@@ -28,8 +28,9 @@ from parity.model.config import MLA_NORM_EPS
 from parity.model.points import Point, layer_graph, mtp_site, sites_for_config
 from parity.replay.records import Observation
 from parity.replay.session import Session
-from parity.replay.shadows import (LayerShadows, StepContext, head_variant, isolated_precision_payload,
-                                    layer_points, precision_payload)
+from parity.replay.shadows import (LayerShadows, StepContext, backward_points, head_variant,
+                                   isolated_precision_payload, layer_points, precision_payload)
+from parity.targets.base import Target
 
 # an MTP layer's block output and its norm (`final_layernorm:in`, `final_layernorm`) follow its routing too
 ROUTER_DOWNSTREAM = ("mlp.gate.topk_weight", "mlp.routed", "mlp", "output", "final_layernorm:in", "final_layernorm")
@@ -104,7 +105,7 @@ def observe_layer(s: Session, i: int) -> Iterator[Observation]:
             views = shadows.step(StepContext(phase, step, hidden, positions, ref_topk if forcing else None, ref_topk,
                                              pts, forced_pts, rounding))
             yield from _layer_observations(s, phase, step, i, pts, forced_pts, bias, positions, res, rounding, views)
-        yield from observe_backward_layer(s, i)
+        yield from observe_backward_layer(s, i, shadows)
     finally:
         s.target.unload_layer(i)
         shadows.close()
@@ -194,9 +195,11 @@ def observe_free(s: Session, progress=None) -> Iterator[Observation]:
                                         "mode)")
 
 
-def observe_isolated(s: Session, i: int) -> Iterator[Observation]:
+def observe_isolated(s: Session, i: int, backward: bool = True) -> Iterator[Observation]:
     """Isolated replay of layer i over the dump's prefill and decode steps: every site computed by
-    `Target.submodule` from the dumped tensors the site graph says it is computed from."""
+    `Target.submodule` from the dumped tensors the site graph says it is computed from; then, with `backward` and a
+    dump with the backward phase, every sub-module's VJP (`observe_isolated_backward`). `backward=False`: the
+    forward sites only (the independent-source re-run of a failing layer's forward points, `independent.py`)."""
     cfg = s.config
     hf = s.ckpt.hf_tensors(i)
     s.call(f"layer {i}: load_layer", s.target.load_layer, i, hf)
@@ -225,8 +228,8 @@ def observe_isolated(s: Session, i: int) -> Iterator[Observation]:
                                   rounding=_norm_check(cfg, i, site.name, inputs, hf),
                                   shadows=isolated_precision_payload(s, pt, inputs, state))
             history.append((phase, step))
-        yield from _backward_skipped(s, i, "isolated mode: the backward phase is replayed teacher-forced per layer "
-                                           "(layer / forced mode)")
+        if backward:
+            yield from observe_isolated_backward(s, i)
     finally:
         s.target.unload_layer(i)
 
@@ -361,12 +364,14 @@ def _backward_why_not(s: Session) -> str | None:
     return None
 
 
-def observe_backward_layer(s: Session, i: int) -> Iterator[Observation]:
+def observe_backward_layer(s: Session, i: int, shadows: LayerShadows | None = None) -> Iterator[Observation]:
     """The backward phase of layer i, teacher-forced (issue 26): the target's VJP of the layer at the dumped prefill
     `input`, fed the dumped `output` cotangent, routing forced to the dumped prefill top-k (the forward's experts:
     the discrete top-k is not differentiated). Compared: dL/d input, the sub-module cotangents the target taps and
     every weight gradient (HF names). The fed `output` cotangent is recorded as fed (like a layer's forward `input`).
-    The layer's weights are loaded by the caller (`observe_layer`)."""
+    The layer's weights are loaded by the caller (`observe_layer`), and with them its `shadows`: where a departing
+    semantic fork changes the layer, the fork's two references run the same VJP (`LayerShadows.backward`), so the
+    judge can give a fork layer's backward points `semantic` as it does its forward points."""
     from parity.replay.coverage import has_backward
 
     if not has_backward(s.dump):
@@ -387,14 +392,120 @@ def observe_backward_layer(s: Session, i: int) -> Iterator[Observation]:
     topk = _ref_topk(s, "prefill", 0, i) if s.config.is_moe(i) else None
     res = s.call(f"layer {i} backward: layer_backward", s.target.layer_backward, i, hidden, positions, cot,
                  forced_topk=topk)
-    test = dict(res.points)
-    test["input"] = res.input_grad
-    test["output"] = cot  # fed: the dump's own cotangent
-    test.update({f"grad.{k}": v for k, v in res.param_grads.items()})
+    test = backward_points(res, cot)  # `output`: fed, the dump's own cotangent
+    semantic = (lambda site: {}) if shadows is None else shadows.backward(test)
     why_absent = getattr(res, "missing", None) or {}
     for pt in pts:
         yield Observation(pt, _read(s, pt), test.get(pt.site), s.mode, forced=False,
-                          why_absent=why_absent.get(pt.site), shadows=precision_payload(s, pt))
+                          why_absent=why_absent.get(pt.site), shadows={**precision_payload(s, pt), **semantic(pt.site)})
+
+
+def _isolated_backward_why_not(s: Session) -> str | None:
+    why = _backward_why_not(s)
+    if why is None and type(s.target).submodule_backward is Target.submodule_backward:
+        why = (f"isolated mode: target {s.target.name} does not implement submodule_backward (the VJP of one "
+               "sub-module at its dumped inputs)")
+    return why
+
+
+def observe_isolated_backward(s: Session, i: int) -> Iterator[Observation]:
+    """The backward phase of layer i in isolated mode (issue 33): every sub-module's VJP on its own dumped tensors.
+    Each site c of the site graph with a computation of its own and a cotangent (`NO_COTANGENT` sites have none) is
+    run by `Target.submodule_backward` at its dumped prefill inputs, fed its dumped cotangent `backward/L/c`. Then
+    - a weight gradient is compared with the VJP of the one site that reads the weight (`grad_param_site`);
+    - a site's cotangent with the sum of its consumers' contributions (the sites whose inputs list it; an alias
+      site — `attention`, a dense layer's `mlp`, the layer `input` — passes its consumers' sum to the tensor it is),
+      accumulated in fp32 and rounded once to the dumped cotangent's dtype;
+    so one wrong sub-module VJP fails exactly the points it feeds. The fed `output` cotangent is recorded as in
+    layer mode. A point a needed tensor is missing for (a consumer's dumped cotangent or input, e.g. the official
+    runtime's inline MLA head gate) is skipped naming it; one the graph has no computation for, saying so.
+    Prefill only: the backward phase is a prefill's."""
+    from parity.model.points import NO_COTANGENT, grad_param_site
+    from parity.replay.coverage import has_backward
+
+    if not has_backward(s.dump):
+        return
+    why = _isolated_backward_why_not(s)
+    if why is not None:
+        yield from _backward_skipped(s, i, why)
+        return
+    cfg = s.config
+    graph = layer_graph(cfg.layer_kind(i), cfg.is_moe(i), cfg.q_lora)
+    bp = lambda site: Point("backward", 0, i, site)  # noqa: E731
+    parts: dict[str, list[np.ndarray]] = {}  # site -> its consumers' contributions to its cotangent
+    grads: dict[str, np.ndarray] = {}  # grad.<HF name> -> the gradient through the one site reading the weight
+    blocked: dict[str, str] = {}  # backward site -> why it cannot be computed in isolation
+    feeds: dict[str, list[str]] = {}  # backward site -> the dumped cotangents it is computed from
+    params = [p for p in _backward_site_names(s, i) if p.startswith("grad.")]
+    for c in graph:
+        if c.alias or c.name in NO_COTANGENT:
+            continue
+        receivers = [n for n in c.inputs if n not in NO_COTANGENT]
+        own = [p for p in params if grad_param_site(cfg, i, p.removeprefix("grad.")) == c.name]
+        for r in [*receivers, *own]:
+            feeds.setdefault(r, []).append(bp(c.name).key())
+        lacking = next((p for p in [bp(c.name), *(Point("prefill", 0, i, n) for n in c.inputs)]
+                        if not s.dump.has(p)), None)
+        if lacking is not None:
+            for r in [*receivers, *own]:
+                blocked.setdefault(r, f"isolated: the VJP of {c.name} needs {lacking.key()}, which is not in the "
+                                      "dump")
+            continue
+        inputs = {n: s.dump.read(Point("prefill", 0, i, n)) for n in c.inputs}
+        if c.positions:
+            inputs["positions"] = np.arange(_step_len(s, "prefill", 0, i))
+        got = s.call(f"layer {i} backward: submodule_backward {c.name}", s.target.submodule_backward, i, c.name,
+                     inputs, s.dump.read(bp(c.name)))
+        if got is None:
+            for r in [*receivers, *own]:
+                blocked.setdefault(r, f"isolated: target {s.target.name} cannot run the VJP of {c.name} in "
+                                      "isolation")
+            continue
+        d_inputs, d_params = got
+        got_all = {**d_inputs, **{f"grad.{k}": v for k, v in d_params.items()}}
+        for r in [*receivers, *own]:
+            if got_all.get(r) is None:  # an incomplete sum would be compared as if it were whole: never
+                blocked.setdefault(r, f"isolated: target {s.target.name}'s VJP of {c.name} returned no "
+                                      f"{'gradient' if r.startswith('grad.') else 'cotangent'} for {r}")
+            elif r in own:
+                grads[r] = np.asarray(got_all[r])
+            else:
+                parts.setdefault(r, []).append(np.asarray(got_all[r]))
+    # an alias site is the tensor it names: that tensor's cotangent is the alias's consumers' sum
+    for a in graph:
+        for n in a.inputs if a.alias else ():
+            parts[n], feeds[n] = parts.get(a.name, []), feeds.get(a.name, [])
+            if a.name in blocked:
+                blocked[n] = blocked[a.name]
+    for site in _backward_site_names(s, i):
+        pt = bp(site)
+        ref = _read(s, pt)
+        if site == "output":  # fed: the dump's own cotangent (as in layer mode)
+            yield Observation(pt, ref, ref, s.mode)
+            continue
+        skip = blocked.get(site)
+        if skip is None and site not in grads and not parts.get(site):
+            skip = "isolated: no sub-module of the site graph reads this tensor / weight, so no VJP computes it"
+        test = grads.get(site) if site.startswith("grad.") else _cotangent_sum(parts.get(site), ref)
+        yield Observation(pt, ref, None if skip else test, s.mode, skip=skip, feeds=tuple(feeds.get(site, ())))
+
+
+def _backward_site_names(s: Session, i: int) -> list[str]:
+    return [p.site for p in _backward_points(s, i)]
+
+
+def _cotangent_sum(parts: list[np.ndarray] | None, ref: np.ndarray | None) -> np.ndarray | None:
+    """A site's cotangent from its consumers' contributions: one as it is; several summed in fp32 and rounded once
+    to the dumped cotangent's dtype (torch accumulates them in the tensor's dtype, one rounding per add: the
+    difference is within a ULP per add, far inside the gradient rules)."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    total = np.zeros(parts[0].shape, np.float32)
+    for x in parts:
+        total += np.asarray(x).astype(np.float32)
+    return total.astype(ref.dtype if ref is not None else parts[0].dtype)
 
 
 def observe_backward_model(s: Session) -> Iterator[Observation]:

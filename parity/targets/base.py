@@ -121,6 +121,17 @@ class Target(abc.ABC):
         (positions 0..S-1). The default implementation supports no site."""
         return None
 
+    def submodule_backward(self, i: int, site: str, inputs: dict[str, np.ndarray], cotangent: np.ndarray
+                           ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
+        """Isolated backward (capabilities `isolated` and `backward`, issue 33): the VJP of the one site `site` of
+        layer i at prefill, at the dumped `inputs` `submodule` gets (no state), fed the dumped cotangent of the
+        site's output. Returns ({input site: dL/d that input through this site} for its floating inputs, {parameter
+        name relative to `model.layers.{i}.` (HF, as `layer_backward`'s `param_grads`): its gradient through this
+        site}), or None when the target cannot (the replay then skips the backward points this site feeds, saying
+        so). The replay sums each input's contributions over the sites that read it, so a site's cotangent is
+        computed from its consumers' dumped cotangents. The default implementation supports no site."""
+        return None
+
     # ------------------------------------------------------------------ MTP layers (capability `mtp`)
     # The MTP layer j (checkpoint layer N+j, facts §2; points `/prefill/MTP{j}/<site>`, parity.model.mtp_points) as the
     # official forward runs it after the main stack. A target without the capability has its MTP points skipped.

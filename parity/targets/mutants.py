@@ -817,6 +817,14 @@ def _p_bw_kda_gate_detached():
     return {(layer, "kda_attention"): _rebind(kda.kda_attention, kda_gate=_sg(kda.kda_gate))}
 
 
+def _i_bw_kda_gate_detached():
+    """Isolated mode: the gate site's own function with the same stop_gradient (the layer's patch rebinds
+    `kda_gate` inside `kda_attention`, which the isolated site function does not call)."""
+    from parity.targets import reference
+
+    return {("kda", "attention.gate"): _sg(reference.ISOLATED_SITES[("kda", "attention.gate")])}
+
+
 def _p_bw_router_weight_detached():
     *_, moe = _mods()
     return {(moe, "routing_weights"): _sg(moe.routing_weights)}
@@ -945,7 +953,7 @@ BACKWARD_MUTATIONS: dict[str, Mutation] = {m.name: m for m in [
     Mutation("bw_kda_gate_detached", "stop_gradient on the KDA decay gate: f_proj, A_log and dt_bias get no gradient "
              "→ backward grad.attention.A_log / dt_bias / attention.f_proj of the first KDA layer", "tiny",
              _bw(("grad.attention.A_log", "grad.attention.dt_bias", "attention.f_proj"), first_kda),
-             _p_bw_kda_gate_detached),
+             _p_bw_kda_gate_detached, isolated=_i_bw_kda_gate_detached),
     Mutation("bw_router_weight_detached", "router top-k weights detached (no gradient to the router) → backward "
              "mlp.gate.logits / grad.mlp.gate.weight of the first MoE layer", "tiny",
              _bw(("mlp.gate.logits", "grad.mlp.gate.weight"), first_moe), _p_bw_router_weight_detached),
@@ -1030,19 +1038,25 @@ class MutantTarget(ReferenceTarget):
                 self._pure = mutated_layer
         return self._pure
 
+    def _isolated_patches(self) -> dict:
+        """The patches isolated mode traces the reference's site functions with: the mutation's own, plus its
+        replacements of site functions (`Mutation.isolated`)."""
+        from parity.targets import reference
+
+        patches = dict(self.mutation.patches())
+        if self.mutation.isolated is not None:
+            extra = self.mutation.isolated()
+            if extra:
+                patches[(reference, "ISOLATED_SITES")] = {**reference.ISOLATED_SITES, **extra}
+        return patches
+
     def _isolated_fn(self):
         """Isolated mode: the reference's site functions traced with the same patches, plus the mutation's own
         replacements of site functions (`Mutation.isolated`); a fresh jit per instance, as `_layer_fn`."""
         if self._iso_jit is None:
-            import jax
-
             from parity.targets import reference
 
-            patches = dict(self.mutation.patches())
-            if self.mutation.isolated is not None:
-                extra = self.mutation.isolated()
-                if extra:
-                    patches[(reference, "ISOLATED_SITES")] = {**reference.ISOLATED_SITES, **extra}
+            patches = self._isolated_patches()
             if not patches:
                 self._iso_jit = reference._isolated_jit
                 return self._iso_jit
@@ -1051,13 +1065,28 @@ class MutantTarget(ReferenceTarget):
                 with patched(patches):
                     return reference._isolated(p, x, st, site, spec)
 
-            from parity.jax_ling3 import REFERENCE_COMPILER_OPTIONS
-
             # the reference's own compiler options: without them XLA:CPU may keep a norm's fp32 intermediate across a
             # bf16 rounding (excess precision) and the mutant differs from the reference at sites the bug never touches
-            self._iso_jit = jax.jit(mutated_site, static_argnames=("site", "spec"),
-                                    compiler_options=REFERENCE_COMPILER_OPTIONS)
+            self._iso_jit = reference._make_isolated_jit(mutated_site)
         return self._iso_jit
+
+    def _isolated_vjp_fn(self):
+        """Isolated backward: the reference's site VJP traced with the same patches as `_isolated_fn` (so a
+        backward-only bug in a site function reaches the isolated VJP); a fresh jit per instance."""
+        if getattr(self, "_iso_vjp_jit", None) is None:
+            from parity.targets import reference
+
+            patches = self._isolated_patches()
+            if not patches:
+                self._iso_vjp_jit = reference._isolated_vjp_jit
+                return self._iso_vjp_jit
+
+            def mutated_site_vjp(p, x, ct, site, spec):  # fresh object per instance
+                with patched(patches):
+                    return reference._isolated_vjp(p, x, ct, site, spec)
+
+            self._iso_vjp_jit = reference._make_isolated_jit(mutated_site_vjp)
+        return self._iso_vjp_jit
 
 
 class PlantedFusedScaleNorm(MutantTarget):

@@ -336,6 +336,28 @@ class ReferenceTarget(Target):
         """The jitted site function `submodule` calls (a subclass may swap it, e.g. `mutants.MutantTarget`)."""
         return _isolated_jit
 
+    def submodule_backward(self, i: int, site: str, inputs: dict[str, np.ndarray], cotangent: np.ndarray
+                           ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
+        """Isolated backward (protocol: `Target.submodule_backward`, issue 33): `jax.vjp` of the very site function
+        `submodule` runs (`ISOLATED_SITES`), at prefill, at the dumped `inputs`, fed the dumped `cotangent` of the
+        site's output. Returns ({float input site: its cotangent}, {HF name relative to the layer: gradient}) — every
+        trainable parameter of the layer, zero where the site does not read it (the caller keeps the site's own)."""
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.weights import to_hf_layout
+
+        spec = self.spec(i)
+        if (spec.kind, site) not in ISOLATED_SITES and ("*", site) not in ISOLATED_SITES:
+            return None
+        arrs = {k: jnp.asarray(v) for k, v in inputs.items()}
+        dx, dp = self._isolated_vjp_fn()(self.params[i], arrs, jnp.asarray(cotangent), site=site, spec=spec)
+        grads = {k: v for k, v in to_hf_layout(self.cfg, i, dp).items() if k not in self.NOT_TRAINABLE}
+        return {k: np.asarray(v) for k, v in dx.items()}, grads
+
+    def _isolated_vjp_fn(self):
+        """The jitted site VJP `submodule_backward` calls (a subclass may swap it, as `_isolated_fn`)."""
+        return _isolated_vjp_jit
+
 
 # ------------------------------------------------------------------------------------------------ isolated sites
 # Each function computes one site from the dumped tensors it is fed (`x`, keyed by site name), with the layer's
@@ -618,23 +640,39 @@ def _isolated(p, x, st, site, spec):
     return fn(p, x, st, spec)
 
 
-def _make_isolated_jit():
+def _isolated_vjp(p, x, ct, site, spec):
+    """(dx, dp): the VJP of site `site`'s function (`_isolated`, prefill: no state) at params p and inputs x, fed the
+    cotangent ct of its output. dx holds the floating inputs only: integer inputs (top-k ids, positions) select,
+    they are not differentiated (as the layer's backward forces routing). dp has p's structure."""
+    import jax
+    import jax.numpy as jnp
+
+    fixed = {k: v for k, v in x.items() if not jnp.issubdtype(v.dtype, jnp.floating)}
+    floats = {k: v for k, v in x.items() if k not in fixed}
+    out, vjp = jax.vjp(lambda pp, xf: _isolated(pp, {**fixed, **xf}, None, site, spec), p, floats)
+    dp, dx = vjp(ct.astype(out.dtype))  # the cotangent in the output's dtype, as torch's autograd hands it on
+    return dx, dp
+
+
+def _make_isolated_jit(fn=None):
     import jax
 
     from parity.jax_ling3 import REFERENCE_COMPILER_OPTIONS
 
-    return jax.jit(_isolated, static_argnames=("site", "spec"), compiler_options=REFERENCE_COMPILER_OPTIONS)
+    return jax.jit(fn or _isolated, static_argnames=("site", "spec"), compiler_options=REFERENCE_COMPILER_OPTIONS)
 
 
 class _LazyJit:
     """jax imported on first use, as everywhere in this module (the target must import without jax)."""
 
-    fn = None
+    def __init__(self, fn=None) -> None:
+        self.base, self.fn = fn, None
 
     def __call__(self, *a, **kw):
         if self.fn is None:
-            self.fn = _make_isolated_jit()
+            self.fn = _make_isolated_jit(self.base)
         return self.fn(*a, **kw)
 
 
 _isolated_jit = _LazyJit()
+_isolated_vjp_jit = _LazyJit(_isolated_vjp)
