@@ -104,6 +104,8 @@ def test_rules_check_names_a_stale_file(monkeypatch, tmp_path, capsys):
     rel = Path("parity/numerics/x.toml")
     monkeypatch.setattr(cal.P, "load", lambda folder: (K.Measurement(), {}, {}))
     monkeypatch.setattr(cal.P, "derive", lambda *a, **k: ({rel: "derived\n"}, []))
+    for corpus in ("load_kernels", "load_grads", "load_precision"):  # what derive (stubbed) would read
+        monkeypatch.setattr(cal.P, corpus, lambda folder: None)
     (tmp_path / rel).parent.mkdir(parents=True)
     (tmp_path / rel).write_text("derived\n")
     assert cal.main(["rules", "--check", "--out", str(tmp_path)]) == 0

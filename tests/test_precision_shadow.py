@@ -67,6 +67,60 @@ def test_an_edited_dump_is_not_a_more_precise_target():
     assert precision_entry(edited, shadow, shadow, 1.5)["more_precise"]  # no ceiling: the L2 ratio alone accepts it
 
 
+def test_local_peak_tells_an_inherited_error_from_a_departure_at_the_site():
+    """Layer mode's dump-peak guard asks about the site itself (`local`: the fp32 site fed the dump's own inputs).
+    A near-cancelling row (RMS 0.5 % of the tensor's) carrying an inherited error of the tensor's rounding size peaks
+    at > 1 × its own RMS against the layer shadow — refused by the layer ceiling — while the dump follows the formula
+    at the site (local peak: one rounding): accepted. The same row edited at the site: refused by the local peak.
+    Subject broken (no local shadow): the layer peak decides again and refuses."""
+    from parity.replay.shadows import dump_peak, precision_entry, refusal
+
+    rng = np.random.default_rng(2)
+    shadow = rng.standard_normal((8, 16)).astype(np.float32)
+    shadow[3] *= 0.005  # a near-cancelling row
+    inherited = shadow + 0.01 * rng.standard_normal(shadow.shape).astype(np.float32)  # upstream rounding, inherited
+    dump = inherited * (1 + 2.0 ** -9 * rng.choice([-1, 1], shadow.shape)).astype(np.float32)  # the site's rounding
+    local = inherited  # the fp32 site on the dump's own (inherited) inputs
+    assert dump_peak(dump, shadow) > 1.0 > 0.01 > dump_peak(dump, local)  # not-a-bound: constructed data
+    target = shadow + 0.005 * rng.standard_normal(shadow.shape).astype(np.float32)
+    layer_only = precision_entry(dump, target, shadow, 1.5, allowed_peak=0.5)
+    assert layer_only["ratio"] < 1 and not layer_only["more_precise"] and "peaks at" in refusal(layer_only)
+    ok = precision_entry(dump, target, shadow, 1.5, allowed_peak=0.5, local=local, allowed_local_peak=0.05)
+    assert ok["more_precise"] and refusal(ok) == "" and ok["dump_peak"] > 1.0 and ok["local_dump_peak"] < 0.01
+    edited = dump.copy()
+    edited[:, [5, 11]] *= 1.15
+    e = precision_entry(edited, target, shadow, 1.5, allowed_peak=0.5, local=local, allowed_local_peak=0.05)
+    assert not e["more_precise"] and "departs from the reference's formula at this site" in refusal(e)
+    # no local ceiling (a site without an isolated form): the layer peak decides
+    assert not precision_entry(dump, target, shadow, 1.5, allowed_peak=0.5, local=local)["more_precise"]
+
+
+def test_golden_core_peak_is_inherited_by_a_near_cancelling_row():
+    """The tiny-flash-bf16 golden, prefill L02 `attention.core` and `attention.o_norm` (the points XLA's defaults
+    failed by the layer-shadow dump peak): the layer shadow's peak row has an RMS < 1 % of the tensor's and peaks far
+    above the layer ceiling, while the fp32 site fed the dump's own inputs (`HighPrecision.local`) leaves the dump
+    within rounding of its isolated ceiling — the error is inherited, not a departure at the site."""
+    from parity.model.points import Point
+    from parity.numerics.tolerances import default_rules
+    from parity.replay.session import Session
+    from parity.replay.shadows import dump_peak
+
+    rules = default_rules()
+    with Session.open(ROOT / "dumps" / "tiny-flash-bf16.h5", None, mode="layer") as s:
+        hp = s.shadows.high_precision()
+        for site in ("attention.core", "attention.o_norm"):
+            pt = Point("prefill", 0, 2, site)
+            ref = s.dump.read(pt).astype(np.float32)
+            layer, local = np.asarray(hp.point(pt), np.float64), np.asarray(hp.local(pt), np.float64)
+            ceil = rules.value_for("precision_dump_peak", site, "layer", "bfloat16", "bfloat16")
+            iso = rules.value_for("precision_dump_peak", site, "isolated", "bfloat16", "bfloat16")
+            assert dump_peak(ref, layer) > ceil and dump_peak(ref, local) <= iso / 2, site
+            if site == "attention.core":
+                rms = np.sqrt(np.mean(layer ** 2, axis=-1))
+                row = np.unravel_index(np.argmax(np.abs(ref - layer).max(-1) / rms), rms.shape)
+                assert rms[row] < 0.01 * np.sqrt(np.mean(layer ** 2)), row
+
+
 def test_a_target_on_the_bf16_grid_is_not_more_precise_than_an_fp32_dump():
     """At a point HF keeps in fp32 (the KDA gate of a bf16 run), a target whose values are bf16 values rounded
     there: refused whatever its L2 ratio; the same values left in fp32 are judged by the ratio."""

@@ -28,6 +28,12 @@ of a bug (its error inherited) may lie below R: the bug still fails at its own s
 the correct corpus never asked about gets the catch-all `*` (the worst over every class, as the tolerance rules give
 an unknown site the loosest calibrated class). The margins (worst correct vs best bug, per class) go into the
 section's comments and docs/numerics.md.
+
+`precision_dump_peak` (per class and mode, `peak_ceiling`): the worst dump peak over the class's points × 2. The
+isolated entries bound the dump against the fp32 site fed the dump's own inputs; the judge uses them in layer mode
+too, for the guard's question at a site with an isolated form (`HighPrecision.local`: does the dump depart from the
+formula *here*?), since the layer shadow's peak also holds what the dump inherited (docs/numerics.md, "The dump peak
+in layer mode"). The layer entries' ceilings bound the layer peak where no local shadow exists (head, MTP, backward).
 """
 
 from __future__ import annotations

@@ -23,7 +23,11 @@ A `ToleranceRule` is the hybrid criterion of `parity.numerics.compare`:
                     Calibrated: `parity.calibration.precision`.
   precision_dump_peak  the same verdict's guard on the dump: it applies only where the dump's own peak error against
                     the shadow, max |dump − shadow| / RMS(shadow row), is at most this (rounding, not an edited dump
-                    or another formula). Calibrated with precision_ratio.
+                    or another formula). Calibrated with precision_ratio. In layer mode, at a site with an isolated
+                    form, the guard asks about the site itself: the peak against the fp32 site fed the dump's own
+                    inputs, bounded by the site's *isolated* ceiling (the layer shadow's peak also holds what the dump
+                    inherited; parity.replay.shadows `precision_entry`); elsewhere the layer ceiling bounds the layer
+                    peak.
   max_rel_l2        per-tensor criterion (issue 33): the whole tensor's rel-L2, ||test − ref||₂ / ||ref||₂ on the
                     comparison grid, must be at most this, whatever the element criteria let pass. Set by the bf16
                     gradient rules (a gradient of two correct bf16 implementations differs by up to ~1× its RMS in a
@@ -238,11 +242,18 @@ class RulesTable:
     _memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def _resolve(self, site: str, mode: str, dtype: str, compute_dtype: str | None) -> dict[str, tuple[Any, str]]:
-        got: dict[str, tuple[Any, str]] = {}
-        for e in self.entries:
-            if not e.when and e.matches(site, mode, dtype, compute_dtype or ""):
-                for f, v in e.fields:
-                    got.setdefault(f, (v, e.source))
+        """{field: (value, source entry)} for one key, memoised: `value_for` is asked once per corpus point by the
+        calibration pipeline (hundreds of thousands of points, a few hundred distinct keys). Callers must not
+        mutate the returned dict."""
+        key = ("resolve", site, mode, dtype, compute_dtype)
+        got = self._memo.get(key)
+        if got is None:
+            got = {}
+            for e in self.entries:
+                if not e.when and e.matches(site, mode, dtype, compute_dtype or ""):
+                    for f, v in e.fields:
+                        got.setdefault(f, (v, e.source))
+            self._memo[key] = got
         return got
 
     def rule_for(self, site: str, mode: str, dtype: str, compute_dtype: str | None = None) -> ToleranceRule:

@@ -217,15 +217,10 @@ def observe_isolated(s: Session, i: int, backward: bool = True) -> Iterator[Obse
                 if not s.dump.has(pt):  # the judge says skipped (declared unavailable) or missing
                     yield Observation(pt, None, None, s.mode)
                     continue
-                inputs, why = _read_all(s, [Point(phase, step, i, n) for n in site.inputs])
-                state = None
-                if why is None and phase == "decode":
-                    state, why = _earlier_state(s, site, i, history)
+                inputs, state, why = dumped_feed(s, pt, site, history)
                 if why is not None:
                     yield Observation(pt, None, None, s.mode, skip=f"isolated: {why}")
                     continue
-                if site.positions:
-                    inputs["positions"] = positions
                 test = s.call(f"layer {i} {phase} step {step}: submodule {site.name}", s.target.submodule, i,
                               site.name, inputs, state)
                 yield Observation(pt, s.dump.read(pt), None if test is None else np.asarray(test), s.mode,
@@ -290,6 +285,30 @@ def _step_len(s: Session, phase: str, step: int, i: int) -> int:
     if s.dump.has(p):
         return int(s.dump.read(p).shape[1])
     return int(s.dump.prompt_len) if phase == "prefill" else 1
+
+
+def dumped_feed(s: Session, pt: Point, site, history: list[tuple[str, int]] | None = None
+                ) -> tuple[dict | None, dict | None, str | None]:
+    """What isolated mode feeds site `site` (a `parity.model.points.Site` of layer pt.layer) at pt's step: its dumped
+    inputs (with the tokens' positions where it takes them), the dumped earlier-step state a decode step continues
+    from (`history`: the earlier (phase, step)s, default the dump's steps before pt's), or why it cannot be fed ->
+    (inputs, state, why). `observe_isolated` feeds this; the layer-mode three-way verdict uses it for the dump's own
+    departure at a site (`HighPrecision.local`)."""
+    i, phase, step = pt.layer, pt.phase, pt.step
+    inputs, why = _read_all(s, [Point(phase, step, i, n) for n in site.inputs])
+    if why is not None:
+        return None, None, why
+    state = None
+    if phase == "decode":
+        if history is None:
+            steps = s.steps()
+            history = steps[:steps.index((phase, step))] if (phase, step) in steps else []
+        state, why = _earlier_state(s, site, i, history)
+        if why is not None:
+            return None, None, why
+    if site.positions:
+        inputs["positions"] = _positions(s, phase, step, _step_len(s, phase, step, i))
+    return inputs, state, None
 
 
 def _read_all(s: Session, points: list[Point]) -> tuple[dict[str, np.ndarray], str | None]:
