@@ -55,7 +55,7 @@ def _replay(dump: Path, target, unit):
         return recs, rules
 
 
-MIN_MARGIN = 3.0  # issue 33's acceptance: every backward mutant detected with margin ≥ ×3 in fp32 and bf16
+MIN_MARGIN = 3.0  # not-a-bound: issue 33's acceptance threshold (every backward mutant detected with margin ≥ ×3)
 
 
 def floor_margin(ref: np.ndarray, test: np.ndarray, rule) -> float:
@@ -70,7 +70,7 @@ def floor_margin(ref: np.ndarray, test: np.ndarray, rule) -> float:
     lo, hi = float(rule.floor_ulps), float(rule.floor_ulps)
     while ok(lo):  # the element rule passes the point (below 1: it alone does not detect the bug)
         lo /= 4
-        if lo < 1e-6:
+        if lo < 1e-6:  # not-a-bound: where the bisection gives up (the element rule alone never fails it)
             return 0.0
     while not ok(hi):
         hi *= 4

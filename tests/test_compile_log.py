@@ -21,6 +21,7 @@ def test_each_test_gets_a_line_with_its_compiles(tmp_path):
     env = {**os.environ, "LING3_COMPILE_LOG_DIR": str(tmp_path / "log"), "PYTEST_ADDOPTS": "",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tools"), os.environ.get("PYTHONPATH", "")]),
            "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    env.pop("PYTEST_XDIST_WORKER", None)  # under xdist the child would take its parent's worker name for its file
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_compile_log",
                         "test_two.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -413,7 +413,7 @@ def _explain_semantic(session, obs: Observation, ref: np.ndarray, test: np.ndarr
     if sd.shape != ref.shape or si.shape != ref.shape:
         return None
     if obs.point.phase == "backward":  # a gradient is judged as one tensor (its own rule, judge.compare_gradient)
-        from parity.replay.judge import compare_gradient as compare
+        from parity.replay.lookup import compare_gradient as compare
     if not (compare(ref, sd, rule).passed and compare(si, test, rule).passed):
         return None
     forks = ", ".join(sh.get("forks") or ["?"])
@@ -553,7 +553,7 @@ class HighPrecision:
         if pt.layer is None or pt.phase == "backward" or mtp_site(pt.site) is not None:
             return None
         from parity.model.points import site_of
-        from parity.replay.strategies import dumped_feed
+        from parity.replay.feed import dumped_feed
 
         try:
             site = site_of(self.s.config, pt.layer, pt.site)
@@ -813,7 +813,7 @@ def _local_shadow(session, obs: Observation, payload, test: np.ndarray) -> tuple
     get = getattr(payload, "local", None)
     if get is None or session.mode == "isolated":
         return None, None
-    from parity.replay.judge import rule_site
+    from parity.replay.lookup import rule_site
 
     pt = obs.point
     if not session.dump.has(pt):
