@@ -1056,18 +1056,7 @@ class MutantTarget(ReferenceTarget):
         if self._iso_jit is None:
             from parity.targets import reference
 
-            patches = self._isolated_patches()
-            if not patches:
-                self._iso_jit = reference._isolated_jit
-                return self._iso_jit
-
-            def mutated_site(p, x, st, site, spec):  # fresh object per instance
-                with patched(patches):
-                    return reference._isolated(p, x, st, site, spec)
-
-            # the reference's own compiler options: without them XLA:CPU may keep a norm's fp32 intermediate across a
-            # bf16 rounding (excess precision) and the mutant differs from the reference at sites the bug never touches
-            self._iso_jit = reference._make_isolated_jit(mutated_site)
+            self._iso_jit = self._patched_site_jit(reference._isolated, reference._isolated_jit)
         return self._iso_jit
 
     def _isolated_vjp_fn(self):
@@ -1076,17 +1065,26 @@ class MutantTarget(ReferenceTarget):
         if getattr(self, "_iso_vjp_jit", None) is None:
             from parity.targets import reference
 
-            patches = self._isolated_patches()
-            if not patches:
-                self._iso_vjp_jit = reference._isolated_vjp_jit
-                return self._iso_vjp_jit
-
-            def mutated_site_vjp(p, x, ct, site, spec):  # fresh object per instance
-                with patched(patches):
-                    return reference._isolated_vjp(p, x, ct, site, spec)
-
-            self._iso_vjp_jit = reference._make_isolated_jit(mutated_site_vjp)
+            self._iso_vjp_jit = self._patched_site_jit(reference._isolated_vjp, reference._isolated_vjp_jit)
         return self._iso_vjp_jit
+
+    def _patched_site_jit(self, site_fn, unpatched_jit):
+        """`site_fn(p, x, st_or_ct, site, spec)` jitted with this mutant's isolated patches applied while it traces
+        (a fresh function object per instance, so no other instance's trace is reused); `unpatched_jit` where the
+        mutant patches no site function. The reference's own compiler options: without them XLA:CPU may keep a
+        norm's fp32 intermediate across a bf16 rounding (excess precision) and the mutant differs from the reference
+        at sites the bug never touches."""
+        from parity.targets import reference
+
+        patches = self._isolated_patches()
+        if not patches:
+            return unpatched_jit
+
+        def mutated_site(p, x, st, site, spec):  # fresh object per instance
+            with patched(patches):
+                return site_fn(p, x, st, site, spec)
+
+        return reference._make_isolated_jit(mutated_site)
 
 
 class PlantedFusedScaleNorm(MutantTarget):
