@@ -11,9 +11,8 @@ import numpy as np
 from parity.model.points import Point, mtp_site
 from parity.replay.lookup import _base, compare_gradient, rule_site  # noqa: F401  (re-exported)
 from parity.replay.records import Observation, PointRecord, Status, skipped
-from parity.replay.routing import routing_record, shape_mismatch
+from parity.replay.routing import ROUTER_DOWNSTREAM, routing_record, shape_mismatch
 from parity.replay.shadows import explain, rmsnorm_variant_record
-from parity.replay.strategies import ROUTER_DOWNSTREAM
 
 
 def unavailable_reason(dump, point: Point) -> str | None:
