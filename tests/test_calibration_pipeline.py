@@ -60,11 +60,11 @@ def test_run_plan_is_the_recorded_corpus(stored):
     xplan = {f"{r.name}/s{r.seed}/T{r.prompt_len}" for r in K.exactness_runs(xspec)}
     assert xplan == {row["point"].split(":")[0] for row in meas.rows}
     kernels = P.load_kernels(ROOT / P.MEASURED)
-    if kernels is not None:  # the real-kernel corpus: its recorded KernelSpec names exactly its stored runs
-        kmeas, kmeta = kernels
-        kspec = K.KernelSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in kmeta["corpus"].items()})
-        assert {r.corpus_id for r in K.kernel_runs(kspec)} == {p["corpus"] for p in kmeas.points}
-        assert {r.label for r in K.kernel_runs(kspec)} == {":".join(row["point"].split(":")[:2]) for row in kmeas.rows}
+    if kernels is not None:  # the real-kernel corpus: its recorded KernelSpecs (its own and each merged walk's)
+        kmeas, kmeta = kernels  # name exactly its stored runs
+        kplan = [r for spec in K.kernel_specs(kmeta) for r in K.kernel_runs(spec)]
+        assert {r.corpus_id for r in kplan} == {p["corpus"] for p in kmeas.points}
+        assert {r.label for r in kplan} == {":".join(row["point"].split(":")[:2]) for row in kmeas.rows}
 
 
 def test_walk_makes_each_checkpoint_once_and_pairs_fp32_with_bf16(monkeypatch, tmp_path):

@@ -6,7 +6,8 @@
         build the corpus (random checkpoints, twin dumps, reference replays), store the measurements in
         parity/numerics/calibration/ and write the generated file (as `rules`); --only noise|exactness|kernels|grads
         walks one corpus and keeps the others' stored measurements (kernels: the real-kernel corpus, --kernel-seeds ...,
-        dumped with fla's Triton kernels by $LING3_TRITON_PYTHON or .venv-triton's Python; grads: the gradient corpus,
+        dumped with fla's Triton kernels by $LING3_TRITON_PYTHON or .venv-triton's Python, --kernel-runtimes twin,official
+        merged into the stored corpus by runtime; grads: the gradient corpus,
         --grad-seeds 1,2 --grad-prompt-lens 40,160 ..., --grads dumps replayed in layer mode); --remeasure MODES replays
         the noise corpus kept in --workdir again in MODES instead of rebuilding it
     python tools/calibrate.py rules [--from parity/numerics/calibration] [--check]
@@ -98,15 +99,35 @@ def cmd_corpus(a: argparse.Namespace, argv: list[str]) -> int:
         print(f"done in {time.perf_counter() - t0:.0f}s")
         return 0
     if a.only == "kernels":  # the real-kernel corpus: walked and stored on its own, then every file re-derived
+        runtimes = _words(a.kernel_runtimes)
+        bad = [r for r in runtimes if r not in K.KERNEL_RUNTIMES]
+        if bad or not runtimes:
+            raise ParityError(f"corpus --only kernels: --kernel-runtimes {a.kernel_runtimes!r}: expected a "
+                              f"comma-separated subset of {','.join(K.KERNEL_RUNTIMES)}")
+        if "official" in runtimes:
+            from parity.torch_ref import official
+
+            ok, why = official.available()
+            if not ok:
+                runtimes = tuple(r for r in runtimes if r != "official")
+                print(f"official runtime skipped: {why}", flush=True)
+                if not runtimes:
+                    raise ParityError("corpus --only kernels: no runtime left to walk (the official file is absent)")
         kspec = K.KernelSpec(presets=_words(a.kernel_presets), seeds=_ints(a.kernel_seeds),
                              prompt_lens=_ints(a.kernel_prompt_lens), dtypes=_words(a.kernel_dtypes),
-                             decode_steps=a.kernel_decode_steps, modes=_words(a.modes))
+                             decode_steps=a.kernel_decode_steps, modes=_words(a.modes), runtimes=runtimes)
         if not kspec.seeds:
             raise ParityError("corpus --only kernels: --kernel-seeds is empty")
         with tempfile.TemporaryDirectory(prefix="ling3-calib-") as tmp:
             kmeas = K.walk(K.kernel_runs(kspec), Path(a.workdir or tmp), log=log)
         kmeta = {"command": command, "date": today, "machine": R.machine(), "corpus": kspec.__dict__,
                  "kernel_python": K.kernel_python(), "seconds": round(time.perf_counter() - t0, 1)}
+        # a walk of some runtimes replaces those runtimes' stored runs and keeps the others' (K.merge_kernel_corpus)
+        try:
+            stored = P.load_kernels(Path(a.out) / P.MEASURED) or P.load_kernels(ROOT / P.MEASURED)
+            kmeas, kmeta = K.merge_kernel_corpus(stored, kmeas, kmeta)
+        except ValueError as e:
+            raise ParityError(str(e)) from None
         _write(P.kernel_files(kmeas, kmeta), Path(a.out))  # stored before deriving: nothing measured is lost
         meas, noise_meta, ex_meta = P.load(ROOT / P.MEASURED)
         _derive_and_write(meas, noise_meta, ex_meta, command, a)
@@ -243,6 +264,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--kernel-prompt-lens", default=",".join(map(str, k.prompt_lens)))
     c.add_argument("--kernel-dtypes", default=",".join(k.dtypes))
     c.add_argument("--kernel-decode-steps", type=int, default=k.decode_steps)
+    c.add_argument("--kernel-runtimes", default=",".join(k.runtimes),
+                   help="whose modeling file the real-kernel dumps run: twin,official (official: the verified "
+                        "official file installed into each checkpoint, parity.torch_ref.official; skipped with a "
+                        "one-line message where it is absent). A walk of some runtimes is merged into the stored "
+                        "corpus: their stored runs are replaced, the others kept")
     g = K.GradSpec()
     c.add_argument("--grad-presets", default=",".join(g.presets))
     c.add_argument("--grad-seeds", default=",".join(map(str, g.seeds)),

@@ -74,9 +74,12 @@ class ExactnessSpec:
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """The real-kernel corpus: twin checkpoints dumped with fla's real Triton kernels (bf16: the chunk kernel's bf16
+    """The real-kernel corpus: checkpoints dumped with fla's real Triton kernels (bf16: the chunk kernel's bf16
     intermediates, recorded as the `kda_chunk_precision` fork), replayed by the reference in `modes`; its isolated
-    bf16 replays also count exactness rows. Empty `seeds`: no real-kernel corpus."""
+    bf16 replays also count exactness rows. Empty `seeds`: no real-kernel corpus. `runtimes`: whose modeling file
+    runs the dump — "twin" (the suite's, make_checkpoint's) and/or "official" (the official
+    modeling_bailing_moe_v3.py installed into the checkpoint, parity.torch_ref.official; its runs are refused in one
+    line where the file is absent)."""
 
     presets: tuple[str, ...] = ("tiny", "tiny-flash")
     seeds: tuple[int, ...] = ()
@@ -84,6 +87,10 @@ class KernelSpec:
     dtypes: tuple[str, ...] = ("bfloat16",)
     decode_steps: int = 4
     modes: tuple[str, ...] = ("layer", "free", "isolated")
+    runtimes: tuple[str, ...] = ("twin",)
+
+
+KERNEL_RUNTIMES = ("twin", "official")
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,7 @@ class Run:
     causality_check: bool = False  # the exactness corpus was recorded with the dump's causality check on
     kernels: str = ""  # "" = in this process (the stand-ins where fla's kernels cannot run); "fla" = real kernels
     grads: bool = False  # dumped with the backward phase (--grads) and its gradients measured (the gradient corpus)
+    runtime: str = "twin"  # whose modeling file the checkpoint holds: "twin" or "official" (KernelSpec.runtimes)
 
     @property
     def tag(self) -> str:
@@ -122,8 +130,10 @@ class Run:
 
     @property
     def label(self) -> str:
-        """name/seed/prompt length, prefixed `fla:` for a real-kernel run."""
-        return f"{'fla:' if self.kernels else ''}{self.name}/s{self.seed}/T{self.prompt_len}"
+        """name/seed/prompt length, prefixed `fla:` for a real-kernel run (`fla-official:` for one of the official
+        file)."""
+        prefix = ("fla" + ("-official" if self.runtime == "official" else "") + ":") if self.kernels else ""
+        return f"{prefix}{self.name}/s{self.seed}/T{self.prompt_len}"
 
     @property
     def corpus_id(self) -> str:
@@ -131,11 +141,11 @@ class Run:
 
     @property
     def ckpt_name(self) -> str:
-        return f"{self.name}-s{self.seed}"
+        return f"{self.name}-s{self.seed}" + ("-official" if self.runtime == "official" else "")
 
     @property
     def dump_name(self) -> str:
-        return f"{self.name}-s{self.seed}-T{self.prompt_len}-{self.tag}.h5"
+        return f"{self.ckpt_name}-T{self.prompt_len}-{self.tag}.h5"
 
 
 @dataclass
@@ -167,10 +177,56 @@ def exactness_runs(spec: ExactnessSpec) -> list[Run]:
 
 
 def kernel_runs(spec: KernelSpec) -> list[Run]:
-    """The real-kernel corpus in walk order: checkpoint × prompt length × dtype, dumped with fla's real kernels."""
+    """The real-kernel corpus in walk order: runtime × checkpoint × prompt length × dtype, dumped with fla's real
+    kernels."""
+    bad = [r for r in spec.runtimes if r not in KERNEL_RUNTIMES]
+    if bad:
+        raise ValueError(f"real-kernel corpus: unknown runtime(s) {', '.join(bad)} (expected "
+                         f"{' or '.join(KERNEL_RUNTIMES)})")
     return [Run(name, seed, T, dtype, spec.decode_steps, folder=KERNELS_DIR, noise_modes=tuple(spec.modes),
-                exactness=dtype == "bfloat16" and "isolated" in spec.modes, kernels="fla")
-            for name in spec.presets for seed in spec.seeds for T in spec.prompt_lens for dtype in spec.dtypes]
+                exactness=dtype == "bfloat16" and "isolated" in spec.modes, kernels="fla", runtime=rt)
+            for rt in spec.runtimes for name in spec.presets for seed in spec.seeds for T in spec.prompt_lens
+            for dtype in spec.dtypes]
+
+
+def kernel_specs(meta: dict) -> list[KernelSpec]:
+    """The KernelSpecs a stored real-kernel corpus was walked with (`kernel_corpus.json`): its `corpus`, and the
+    `corpus` of each walk merged into it since (`merged`: e.g. the official runtime's runs added to the twin ones)."""
+    def spec(d: dict) -> KernelSpec:
+        return KernelSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+    return [spec(meta["corpus"])] + [spec(m["corpus"]) for m in meta.get("merged", [])]
+
+
+def merge_kernel_corpus(stored: tuple[Measurement, dict] | None, new: Measurement, new_meta: dict) \
+        -> tuple[Measurement, dict]:
+    """A real-kernel walk of some runtimes merged into the stored corpus. The stored corpus is made of walks (its
+    own metadata and each entry of `merged`), each of some runtimes: a stored walk whose runtimes the new one covers
+    is replaced (its points, routing, rows and step records), the others are kept. The new walk's metadata becomes
+    the corpus' own where the own walk was replaced (the kept walks stay in `merged`), else it is appended to
+    `merged`. A stored walk only partly covered cannot be split (one provenance per walk): ValueError."""
+    walked = set(new_meta["corpus"].get("runtimes", ["twin"]))
+    if stored is None:
+        return new, new_meta
+    old, meta = stored
+    parts = [{k: v for k, v in meta.items() if k not in ("merged", "runs")}] + list(meta.get("merged", []))
+    for m in parts:
+        rts = set(m["corpus"].get("runtimes", ["twin"]))
+        if rts & walked and not rts <= walked:
+            raise ValueError(f"real-kernel corpus: a walk of runtimes {', '.join(sorted(walked))} would replace "
+                             f"part of a stored walk of {', '.join(sorted(rts))} ({m['command']}); walk those "
+                             f"runtimes together")
+    kept = [m for m in parts if not set(m["corpus"].get("runtimes", ["twin"])) <= walked]
+
+    def keep(text: str) -> bool:  # a corpus id, row point or step record ("dump ... NAME.h5", "replay MODE ID")
+        official = text.startswith("fla-official:") or " fla-official:" in text or "-official-T" in text
+        return ("official" if official else "twin") not in walked
+    merged = Measurement(points=[p for p in old.points if keep(p["corpus"])] + new.points,
+                         routing=[r for r in old.routing if keep(r["corpus"])] + new.routing,
+                         runs=[r for r in old.runs if keep(r["what"])] + new.runs,
+                         rows=[r for r in old.rows if keep(r["point"])] + new.rows)
+    if kept and kept[0] is parts[0]:  # the corpus' own walk stays; the new one is merged into it
+        return merged, {**parts[0], "merged": kept[1:] + [new_meta]}
+    return merged, ({**new_meta, "merged": kept} if kept else new_meta)
 
 
 def grad_runs(spec: GradSpec) -> list[Run]:
@@ -335,7 +391,8 @@ def dump_run(ckpt: str, path: str, run_fields: str, runtime: str = "remote") -> 
     dump_checkpoint(Path(ckpt), Path(path), ids,
                     DumpOptions(runtime=runtime, dtype=run.dtype, decode_steps=run.decode_steps, progress=False,
                                 force=True, seed=run.dump_seed, causality_check=run.causality_check,
-                                cpu_kernels=False if run.kernels == "fla" else None, grads=run.grads))
+                                cpu_kernels=False if run.kernels == "fla" else None, grads=run.grads,
+                                trust_remote_code=run.runtime == "official"))
 
 
 def kernel_python() -> str:
@@ -441,6 +498,10 @@ def walk(runs: Sequence[Run], workdir: Path, log: Log = print) -> Measurement:
         if (run.folder, run.ckpt_name) not in ckpts:
             ckpts[run.folder, run.ckpt_name] = make_checkpoint(folder / run.ckpt_name, _config_of(run.name),
                                                                seed=run.seed, force=True)
+            if run.runtime == "official":  # the same weights, run by the official modeling file
+                from parity.torch_ref import official
+
+                official.install(ckpts[run.folder, run.ckpt_name])
         path = measure_run(run, ckpts[run.folder, run.ckpt_name], folder, out, log)
         key = (run.folder, run.name, run.seed, run.prompt_len)
         if run.noise_modes:
@@ -481,6 +542,7 @@ def remeasure(meas: Measurement, workdir: Path, modes: Sequence[str], log: Log =
     return out
 
 
-__all__ = ["CorpusSpec", "EXACTNESS_DIR", "ExactnessSpec", "FED_GRAD_SITES", "GRADS_DIR", "GradSpec", "KERNELS_DIR", "KernelSpec", "Measurement", "NOCLAMP",
+__all__ = ["CorpusSpec", "EXACTNESS_DIR", "ExactnessSpec", "FED_GRAD_SITES", "GRADS_DIR", "GradSpec", "KERNELS_DIR",
+           "KERNEL_RUNTIMES", "KernelSpec", "Measurement", "NOCLAMP", "kernel_specs", "merge_kernel_corpus",
            "ROW_COUNT_RULE", "Run", "dump_run", "exactness_runs", "grad_runs", "measure_grad_replay", "kernel_python", "kernel_runs", "measure_dump_pair", "measure_replay", "measure_run", "noise_runs", "preset_of",
            "remeasure", "replay_rows", "walk"]

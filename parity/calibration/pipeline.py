@@ -229,15 +229,29 @@ def growth_summary(bounds: list[B.Bound], growth: dict) -> tuple[list[str], str]
 
 
 def kernel_method(kmeta: dict, n_runs: int, what: str) -> str:
-    return "\n".join([
+    parts = [kmeta] + list(kmeta.get("merged", []))
+    def walked(m: dict) -> str:
+        c = m["corpus"]
+        return (f"{', '.join(c['presets'])} × seeds {', '.join(map(str, c['seeds']))} × prompts "
+                f"{', '.join(map(str, c['prompt_lens']))} tokens, {' and '.join(c.get('runtimes', ['twin']))} "
+                f"modeling file")
+    lines = [
         f"# {what} for dumps that record kda_chunk_precision = bfloat16 (fla's real chunk_kda keeps bf16 intermediates;",
         "# the reference follows the fork, in its own operation order): derived as the base section from the base corpus",
-        f"# POOLED with the real-kernel corpus ({n_runs} bf16 runs of fla's Triton kernels: "
-        f"{', '.join(kmeta['corpus']['presets'])} × seeds {', '.join(map(str, kmeta['corpus']['seeds']))} × prompts",
-        f"# {', '.join(map(str, kmeta['corpus']['prompt_lens']))} tokens). Only the entries that differ from the base "
-        "section are listed (per-site entries; the base",
-        "# catch-alls still cover sites neither corpus measured). Every other dump is judged by the base sections alone.",
-    ])
+    ]
+    if len(parts) == 1:  # the corpus of one walk: its comment as before
+        c = kmeta["corpus"]
+        lines += [f"# POOLED with the real-kernel corpus ({n_runs} bf16 runs of fla's Triton kernels: "
+                  f"{', '.join(c['presets'])} × seeds {', '.join(map(str, c['seeds']))} × prompts",
+                  f"# {', '.join(map(str, c['prompt_lens']))} tokens). Only the entries that differ from the base "
+                  "section are listed (per-site entries; the base"]
+    else:
+        lines += [f"# POOLED with the real-kernel corpus ({n_runs} bf16 runs of fla's Triton kernels:"]
+        lines += [f"#   {walked(m)}{';' if i < len(parts) - 1 else ').'}" for i, m in enumerate(parts)]
+        lines += ["# Only the entries that differ from the base section are listed (per-site entries; the base"]
+    lines.append("# catch-alls still cover sites neither corpus measured). Every other dump is judged by the base "
+                 "sections alone.")
+    return "\n".join(lines)
 
 
 def derive_kernel_sections(points: list[dict], rules: list[R.ProposedRule], bounds: list[B.Bound], bsafety: float,
@@ -383,6 +397,8 @@ def derive(meas: Measurement, noise_meta: dict, ex_meta: dict, command: str, saf
         sections = ksections + sections
         when = {name: KERNEL_WHEN for name, _, _ in ksections}
         corpora.append(("real-kernel corpus", Provenance(kmeta["command"], kmeta["date"], kmeta["machine"])))
+        corpora += [("real-kernel corpus, merged walk", Provenance(m["command"], m["date"], m["machine"]))
+                    for m in kmeta.get("merged", [])]
     if grads is not None:  # the backward phase's rules: their own sites (`backward/*`), first in lookup order
         gsection, glog = derive_grad_section(*grads, safety)
         log += glog

@@ -11,9 +11,8 @@ import numpy as np
 from parity.model.points import Point, mtp_site
 from parity.replay.lookup import _base, compare_gradient, rule_site  # noqa: F401  (re-exported)
 from parity.replay.records import Observation, PointRecord, Status, skipped
-from parity.replay.routing import routing_record, shape_mismatch
+from parity.replay.routing import ROUTER_DOWNSTREAM, routing_record, shape_mismatch
 from parity.replay.shadows import explain, rmsnorm_variant_record
-from parity.replay.strategies import ROUTER_DOWNSTREAM
 
 
 def unavailable_reason(dump, point: Point) -> str | None:
@@ -148,20 +147,20 @@ def _with(rec: PointRecord, obs: Observation) -> PointRecord:
     return rec
 
 
-def judge_step(session, observations: list[Observation]) -> list[PointRecord]:
-    """The observations of one (phase, step, layer): routing judged as expert sets, and where the routing differs
-    only benignly the router's downstream points judged on the run forced to the reference's experts."""
-    # keyed by the site within its layer (an MTP layer's `MTP0/mlp` is its `mlp`)
+def routing_verdict(session, observations: list[Observation]) -> dict[str, PointRecord]:
+    """The routing records of one (phase, step, layer): {"mlp.gate.topk_idx": the expert sets judged against the
+    dump (BENIGN where every flip is within the reference's own router margin and the router logits pass), and
+    "mlp.gate.logits": the logits' record}; {} where the step has no comparable routing. Used by `judge_step` and,
+    before propagating a layer's output, by free mode (`strategies.observe_free`)."""
     plain = {_base(o.point.site): o for o in observations if not o.forced}
-    forced = {_base(o.point.site): o for o in observations if o.forced}
     recs: dict[str, PointRecord] = {}
     ids = plain.get("mlp.gate.topk_idx")
+    if ids is None:
+        return recs
     first = observations[0].point
     layer = first.layer
     moe = (layer is not None and session.dump.config.is_moe(layer)) or mtp_site(first.site) is not None  # MTP: MoE
-    routing = None
-    if (moe and ids is not None and ids.skip is None
-            and ids.ref is not None and ids.test is not None and ids.expert_bias is not None):
+    if (moe and ids.skip is None and ids.ref is not None and ids.test is not None and ids.expert_bias is not None):
         lg = plain.get("mlp.gate.logits")
         logits_rec = judge_point(session, lg) if lg is not None else None
         logits_ok = logits_rec is None or logits_rec.status in (Status.PASS, Status.SKIPPED)
@@ -176,6 +175,17 @@ def judge_step(session, observations: list[Observation]) -> list[PointRecord]:
         recs["mlp.gate.topk_idx"] = _with(routing, ids)
         if logits_rec is not None:
             recs["mlp.gate.logits"] = logits_rec
+    return recs
+
+
+def judge_step(session, observations: list[Observation]) -> list[PointRecord]:
+    """The observations of one (phase, step, layer): routing judged as expert sets, and where the routing differs
+    only benignly the router's downstream points judged on the run forced to the reference's experts."""
+    # keyed by the site within its layer (an MTP layer's `MTP0/mlp` is its `mlp`)
+    plain = {_base(o.point.site): o for o in observations if not o.forced}
+    forced = {_base(o.point.site): o for o in observations if o.forced}
+    recs = routing_verdict(session, observations)
+    routing = recs.get("mlp.gate.topk_idx")
     use_forced = routing is not None and routing.status == Status.BENIGN and bool(forced)
     out = []
     for site, obs in plain.items():

@@ -9,6 +9,11 @@ import numpy as np
 from parity.model.points import Point
 from parity.replay.records import PointRecord, Status
 
+# The sites a layer's routing feeds: where the top-k differs only benignly they are judged on the run forced to the
+# reference's experts (judge_step), and free mode lets that run's output flow on (strategies.observe_free). An MTP
+# layer's block output and its norm (`final_layernorm:in`, `final_layernorm`) follow its routing too.
+ROUTER_DOWNSTREAM = ("mlp.gate.topk_weight", "mlp.routed", "mlp", "output", "final_layernorm:in", "final_layernorm")
+
 
 def routing_record(dump, point: Point, test_idx: np.ndarray, test_logits: np.ndarray | None,
                    expert_bias: np.ndarray, cfg, logits_ok: bool = True) -> tuple[PointRecord, np.ndarray | None]:
