@@ -49,7 +49,7 @@ def _planted_target():
 
 def _replay(monkeypatch, benign: bool):
     if not os.path.exists(DUMP):
-        pytest.skip(f"no bundled dump {DUMP}")
+        pytest.fail(f"{DUMP}: bundled golden dump missing (regenerate with the command in dumps/MANIFEST.json)")
     import importlib
 
     from parity.replay import run_replay
