@@ -1035,6 +1035,10 @@ class MutantTarget(ReferenceTarget):
                     with patched(patches):
                         return layer.decoder_layer(p, h, positions, spec, state, forced_idx, probes)
 
+                # the reference's name, so the compiled module is named as the reference's: a layer the patches do
+                # not reach lowers to exactly the reference's program and JAX's persistent cache (keyed on the module,
+                # name included) serves it instead of compiling it again (issue 35: suite time)
+                mutated_layer.__name__ = layer.decoder_layer.__name__
                 self._pure = mutated_layer
         return self._pure
 
@@ -1084,6 +1088,7 @@ class MutantTarget(ReferenceTarget):
             with patched(patches):
                 return site_fn(p, x, st, site, spec)
 
+        mutated_site.__name__ = site_fn.__name__  # as `mutated_layer`: an unpatched site's program is the reference's
         return reference._make_isolated_jit(mutated_site)
 
 
