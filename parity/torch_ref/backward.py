@@ -73,11 +73,12 @@ def next_token_ce(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor
 # against the token two positions on, t = 0..T-3. Its input ids are shifted by one only (facts §2): position t sees
 # token t+1 and the main state at t, and predicts token t+2.
 MTP_LOSS_NAME = "mtp_next_next_token_ce_mean_fp32"
-MTP_LOSS_DEFINITION = ("L = value + scale * mtp; mtp = mean over positions t = 0..T-3 of the prompt of "
+MTP_LOSS_DEFINITION = ("L = backward.value + scale * mtp, mtp = mean over positions t = 0..T-3 of the prompt of "
                        "CE(mtp_logits[0, t], input_ids[0, t+2]) with mtp_logits = lm_head(MTP0 final_layernorm "
                        "output).float() (natural log, fp32 logits, mean over T-2 terms; B = 1, one MTP layer); prefill "
                        "only. The official BailingMoeV3ForCausalLM.forward's `loss` with labels = input_ids and "
-                       "mtp_loss_scaling_factor = scale (its `mtp_loss[0]` = mtp)")
+                       "mtp_loss_scaling_factor = scale (its `mtp_loss[0]` = mtp); mtp_loss.value = mtp, "
+                       "mtp_loss.total = L")
 IGNORE_INDEX = -100  # transformers' ignore_index, as the official loss uses it
 
 
