@@ -8,9 +8,9 @@ bf16, scale 0.3 (its config says 0: training only, so the option is explicit).
     (`/backward/MTP0/...`: the cotangents, `hnorm:in` = the MTP layer's share of dL/d(model.norm output), the layer's
     weight gradients) and the main stack's, which the MTP term changes (the MTP layer reads the main stack's state
     after model.norm, facts §2).
-(b) The loss against the official remote code's own `loss` / `mtp_loss` (`BailingMoeV3ForCausalLM.forward` with
-    labels = the prompt, its `mtp_loss_scaling_factor` set to 0.3) for the same checkpoint and prompt, the dump made
-    by the official file (skipped without it, as tests/test_official.py).
+(b) The loss of dumps made by the official file and by the twin against the official remote code's own `loss` /
+    `mtp_loss` (`BailingMoeV3ForCausalLM.forward` with labels = the prompt, its `mtp_loss_scaling_factor` set to 0.3)
+    for the same checkpoint and prompt (skipped without the file, as tests/test_official.py).
 (c) The MTP unit and the model level replay clean against the JAX reference in `layer` mode (fp32 and bf16); a dump
     without the MTP loss owes no MTP backward point.
 (d) Planted MTP-backward bugs (the forward untouched) are caught at the MTP backward point they break: the JAX side's
@@ -191,10 +191,13 @@ def test_mtp_term_changes_the_main_gradients(dumps, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- (b) official file
 def test_mtp_loss_equals_the_official_files_loss(tmp_path):
-    """(b) The official file, dumped with --mtp-loss-scale 0.3, and its own forward with labels = the prompt and its
-    `mtp_loss_scaling_factor` 0.3: the dump's MTP term is the official `mtp_loss[0]` bit for bit (the same form of the
-    same fp32 logits), the main term its `loss` with the factor 0, and the official `loss` is the fp32 sum of the
-    dump's two terms (the record's `total` is that sum in Python floats)."""
+    """(b) tiny-flash without its clamp lists (`--swiglu-clamp none`: the official file ignores the clamp, the twin
+    applies it; without limits both compute the same maths), made twice from one seed — with the official file and
+    with the twin —, each dumped with --mtp-loss-scale 0.3; the official file's own forward with labels = the prompt
+    and its `mtp_loss_scaling_factor` 0.3. Both dumps' MTP term is the official `mtp_loss[0]` bit for bit (the same
+    form of the same fp32 logits), their main term the official `loss` with the factor 0, and the official `loss` the
+    fp32 sum of the two terms (the record's `total` is that sum in Python floats). The official runtime's MTP
+    backward points replay clean too."""
     from parity.torch_ref import official
 
     ok, why = official.available()
@@ -203,17 +206,21 @@ def test_mtp_loss_equals_the_official_files_loss(tmp_path):
     from parity.torch_ref.ckpt import main as make_ckpt
     from parity.torch_ref.loader import load_model
 
-    ck = tmp_path / "tf-official"
-    assert make_ckpt(["--preset", "tiny-flash", "--seed", "0", "--out", str(ck), "--max-shard-mb", "1",
-                      "--modeling", "official"]) == 0
-    dump = tmp_path / "official-mtp.h5"
-    dump_checkpoint(ck, dump, IDS, _opts(dtype="float32", decode_steps=0, trust_remote_code=True,
-                                         mtp_loss_scale=SCALE))
-    with DumpReader(dump) as d:
-        assert d.meta["capture_map"] == "official"
-        meta = d.meta["backward"]
-        held = {p.site for p in d.mtp_points() if p.phase == "backward"}
-    assert {"logits", "hnorm:in", "eh_proj", "grad.eh_proj.weight", "grad.hnorm.weight"} <= held
+    metas = {}
+    for modeling in ("official", "twin"):
+        ck = tmp_path / f"tf-{modeling}"
+        extra = ["--modeling", "official"] if modeling == "official" else []
+        assert make_ckpt(["--preset", "tiny-flash", "--seed", "0", "--out", str(ck), "--max-shard-mb", "1",
+                          "--swiglu-clamp", "none", *extra]) == 0
+        dump = tmp_path / f"{modeling}-mtp.h5"
+        dump_checkpoint(ck, dump, IDS, _opts(dtype="float32", decode_steps=0, trust_remote_code=True,
+                                             mtp_loss_scale=SCALE))
+        with DumpReader(dump) as d:
+            assert d.meta["capture_map"] == modeling
+            metas[modeling] = d.meta["backward"]
+            held = {p.site for p in d.mtp_points() if p.phase == "backward"}
+        assert {"logits", "hnorm:in", "eh_proj", "grad.eh_proj.weight", "grad.hnorm.weight"} <= held
+    ck, dump = tmp_path / "tf-official", tmp_path / "official-mtp.h5"
     loaded = load_model(ck, "remote", dtype="float32", trust_remote_code=True)
     try:
         model = loaded.model.eval()
@@ -228,14 +235,16 @@ def test_mtp_loss_equals_the_official_files_loss(tmp_path):
     finally:
         loaded.release()
     mtp_off = out.mtp_loss[0]
-    assert meta["mtp_loss"]["value"] == mtp_off.item()
-    assert meta["value"] == main_only.item()
-    # the official fp32 `loss += factor * mtp_loss`, redone from the dump's two terms in fp32
-    redo = torch.tensor(meta["value"], dtype=torch.float32) + SCALE * torch.tensor(meta["mtp_loss"]["value"],
-                                                                                   dtype=torch.float32)
-    assert redo.item() == out.loss.item()
-    print(f"official loss {out.loss.item()!r} mtp_loss {mtp_off.item()!r}; dump total {meta['mtp_loss']['total']!r}")
-    # the official runtime's MTP backward points replay clean too (the MLA head gate, an inline sigmoid there, is
+    for modeling, meta in metas.items():
+        assert meta["mtp_loss"]["value"] == mtp_off.item(), modeling
+        assert meta["value"] == main_only.item(), modeling
+        # the official fp32 `loss += factor * mtp_loss`, redone from the dump's two terms in fp32
+        redo = torch.tensor(meta["value"], dtype=torch.float32) + SCALE * torch.tensor(meta["mtp_loss"]["value"],
+                                                                                       dtype=torch.float32)
+        assert redo.item() == out.loss.item(), modeling
+    print(f"official loss {out.loss.item()!r} mtp_loss {mtp_off.item()!r}; dump totals "
+          f"{ {m: v['mtp_loss']['total'] for m, v in metas.items()} }")
+    # the official runtime's MTP backward points replay clean (the MLA head gate, an inline sigmoid there, is
     # declared unavailable: skipped with that reason)
     recs = [r for unit in ("MTP0", None) for r in _replay(dump, ReferenceTarget(), unit, ck)]
     bad = [(r["site"], r["status"]) for r in recs if r["status"] not in ("pass", "skipped")]
