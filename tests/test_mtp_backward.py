@@ -281,6 +281,49 @@ def test_mtp_backward_replays_clean(dumps, dtype):
     assert not fwd
 
 
+def test_mtp_backward_test_ids_and_selection(dumps):
+    """Ids `<dump>/backward/MTP0/<site>` beside the forward's `<dump>/MTP0/<site>`; `-k MTP0` selects both phases."""
+    import subprocess
+    import sys
+
+    def collect(*k):
+        out = subprocess.run([sys.executable, "-m", "pytest", "parity", "--parity-dump", str(dumps["float32"]),
+                              "--collect-only", "-q", "-p", "no:cacheprovider", "-n", "0", *k], cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+        return [line for line in out.stdout.splitlines() if "test_point[" in line]
+
+    lab = dumps["float32"].name.removesuffix(".h5")
+    ids = collect("-k", "MTP0")
+    with DumpReader(dumps["float32"]) as d:
+        sites = mtp_backward_sites(d.config)
+    bw = [i for i in ids if f"[{lab}/backward/MTP0/" in i]
+    assert len(bw) == len(sites) and f"parity/test_points.py::test_point[{lab}/backward/MTP0/hnorm:in]" in bw
+    assert f"parity/test_points.py::test_point[{lab}/MTP0/eh_proj]" in ids
+
+
+def test_a_target_without_the_mtp_backward_skips_its_points_saying_so(dumps):
+    """A target without the capability `mtp` (or without the three MTP backward methods) cannot take the MTP term:
+    the MTP layer's backward points and the model-level points with an MTP share are skipped, saying why; the main
+    term's `logits` cotangent is still compared."""
+    from parity.targets.base import Target
+
+    class NoMtp(ReferenceTarget):
+        name = "no-mtp"
+        capabilities = ReferenceTarget.capabilities - {"mtp"}
+
+    class NoMtpBackward(ReferenceTarget):
+        name = "no-mtp-backward"
+        mtp_backward = Target.mtp_backward
+
+    for target, why in ((NoMtp(), "lacks capability mtp"), (NoMtpBackward(), "does not implement the MTP backward")):
+        recs = _replay(dumps["float32"], target, "MTP0") + _replay(dumps["float32"], target, None)
+        bw = {r["site"]: r for r in recs if r["phase"] == "backward"}
+        shared = [s for s in bw if s.startswith("MTP0/")] + ["final_norm", "final_norm:in", "grad.model.norm.weight",
+                                                            "grad.lm_head.weight", "grad.model.word_embeddings.weight"]
+        assert all(bw[s]["status"] == "skipped" and why in bw[s]["reason"] for s in shared), target.name
+        assert bw["logits"]["status"] == "pass"
+
+
 def test_old_dumps_owe_no_mtp_backward_point():
     """A --grads dump without the MTP loss (the bundled golden: `mtp_loss` null) owes the same points as before:
     no `backward/MTP0/*`."""
