@@ -152,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "tensor, and every parameter's gradient under its HF name (grad.<name>); with --layers only "
                         "those layers' backward points (the pass still runs through the whole model); decode steps "
                         "are unchanged. Needs a prompt of at least 2 tokens")
+    p.add_argument("--mtp-loss-scale", type=float, metavar="F",
+                   help="with --grads: add the MTP layer's loss scaled by F > 0 (the official training loss with "
+                        "mtp_loss_scaling_factor = F, labels = the prompt: its MTP logits at t scored against token "
+                        "t+2) and write the MTP layer's backward points (/backward/MTP0/...). Opt-in: a checkpoint's "
+                        "config says 0 (training only). One prompt of at least 3 tokens, every layer dumped")
     p.add_argument("--no-cache-snapshots", action="store_true", help="do not record KDA state from the cache")
     p.add_argument("--write-thread", choices=("auto", "on", "off"), default="auto",
                    help="compress + write on a worker thread overlapping the forward (auto: only off-CPU)")
@@ -310,6 +315,7 @@ def _options(args, dtype: str, layers, sites):
         write_thread={"auto": None, "on": True, "off": False}[args.write_thread], compression=args.compression,
         seed=args.seed, progress=not args.no_progress, trust_remote_code=args.trust_remote_code,
         allow_tf32=args.allow_tf32, kda_chunk_precision=args.kda_chunk_precision, grads=args.grads,
+        mtp_loss_scale=args.mtp_loss_scale,
         allow_bf16_reduced_precision_reduction=args.allow_bf16_reduced_precision_reduction,
     )
 

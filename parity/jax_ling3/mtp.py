@@ -20,6 +20,7 @@ from parity.jax_ling3 import REFERENCE_COMPILER_OPTIONS
 from parity.jax_ling3.layer import decoder_layer
 from parity.jax_ling3.norms import rms_norm
 from parity.jax_ling3.ops import linear
+from parity.jax_ling3.probes import probing, tap
 from parity.jax_ling3.spec import LayerSpec
 
 F32 = jnp.float32
@@ -33,27 +34,30 @@ def shift_ids(ids: jnp.ndarray) -> jnp.ndarray:
 
 def mtp_input(p: dict, embedded: jnp.ndarray, hidden: jnp.ndarray, eps: float):
     """(x [B,T,D], points): enorm / hnorm in the model dtype (Llama-convention RMSNorm, facts §6), then eh_proj on
-    their concatenation, embedding first (facts §2)."""
-    e = rms_norm(embedded, p["enorm"], eps)
-    h = rms_norm(hidden, p["hnorm"], eps)
-    x = linear(jnp.concatenate([e, h], axis=-1), p["eh_proj"])
-    return x, {"enorm": e, "hnorm": h, "eh_proj": x}
+    their concatenation, embedding first (facts §2). Each point is `tap`ped (a backward trace's probes)."""
+    pts: dict = {}
+    e = tap(pts, "enorm", rms_norm(embedded, p["enorm"], eps))
+    h = tap(pts, "hnorm", rms_norm(hidden, p["hnorm"], eps))
+    x = tap(pts, "eh_proj", linear(jnp.concatenate([e, h], axis=-1), p["eh_proj"]))
+    return x, pts
 
 
 def mtp_layer(p: dict, embedded: jnp.ndarray, hidden: jnp.ndarray, positions: jnp.ndarray, spec: LayerSpec,
-              state=None, forced_idx=None):
+              state=None, forced_idx=None, probes: dict | None = None):
     """One MTP layer: `embedded` = embed(shift_ids(ids)) [B,T,D], `hidden` [B,T,D], RoPE `positions` [T]/[B,T].
-    state: the block's MLA cache (None / `mla.init_mla_cache` / the previous call's). Returns
-    (out [B,T,D] = final_layernorm output, points {MTP site: array} (all but `embed` / `logits`), new_state)."""
+    state: the block's MLA cache (None / `mla.init_mla_cache` / the previous call's). probes {MTP site: array}:
+    -0.0 additive probes at those sites (`parity.jax_ling3.probes`; the backward's sub-module cotangents, issue 33),
+    the forward unchanged. Returns (out [B,T,D] = final_layernorm output, points {MTP site: array} (all but `embed` /
+    `logits`), new_state)."""
     eps = spec.model.eps
-    x, pts = mtp_input(p, embedded, hidden, eps)
-    y, bpts, new_state = decoder_layer(p["block"], x, positions, spec, state, forced_idx)
-    bpts.pop("input")  # == eh_proj
-    resid = bpts.pop("output")
-    pts.update(bpts)
-    pts["final_layernorm:in"] = resid
-    out = rms_norm(resid, p["final_layernorm"], eps)
-    pts["final_layernorm"] = out
+    with probing(probes):
+        x, pts = mtp_input(p, embedded, hidden, eps)
+        y, bpts, new_state = decoder_layer(p["block"], x, positions, spec, state, forced_idx, probes=probes)
+        bpts.pop("input")  # == eh_proj
+        bpts.pop("output")  # == final_layernorm:in, tapped below
+        pts.update(bpts)
+        resid = tap(pts, "final_layernorm:in", y)
+        out = tap(pts, "final_layernorm", rms_norm(resid, p["final_layernorm"], eps))
     return out, pts, new_state
 
 

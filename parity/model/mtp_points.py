@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from parity.model.points import layer_sites
+from parity.model.points import NO_COTANGENT, backward_param_sites, layer_sites
 
 GROUP_RE = re.compile(r"^MTP(\d+)$")
 
@@ -74,12 +74,13 @@ class MtpPoint:
         return "/".join(self.h5_parts())
 
     def h5_parts(self) -> tuple[str, ...]:
-        if self.phase == "prefill":
-            return ("prefill", mtp_group(self.mtp), self.site)
+        if self.phase in ("prefill", "backward"):  # one step each: no step group (as `Point`)
+            return (self.phase, mtp_group(self.mtp), self.site)
         return ("decode", f"S{self.step:03d}", mtp_group(self.mtp), self.site)
 
     def h5_path(self) -> str:
-        """HDF5 dataset path, e.g. `/prefill/MTP0/eh_proj`, `/decode/S001/MTP0/attention.core`."""
+        """HDF5 dataset path, e.g. `/prefill/MTP0/eh_proj`, `/decode/S001/MTP0/attention.core`,
+        `/backward/MTP0/grad.eh_proj.weight`."""
         return "/" + "/".join(self.h5_parts())
 
 
@@ -92,4 +93,36 @@ def expected_mtp_points(cfg, decode_steps: int) -> list[MtpPoint]:
     return out
 
 
-__all__ = ["MtpPoint", "mtp_sites", "mtp_group", "MTP_INPUTS", "GROUP_RE", "expected_mtp_points"]
+# ------------------------------------------------------------------------------------------ backward phase (issue 33)
+# A `--grads --mtp-loss-scale F` dump (parity.torch_ref.backward, MTP_LOSS_DEFINITION) holds MTP layer j's backward
+# points `/backward/MTP{j}/<site>`: the cotangent of each forward MTP site (`logits` = dL/d the fp32 MTP logits the
+# loss reads), `hnorm:in` and the gradient of each of the layer's own parameters. `hnorm:in` is the MTP layer's
+# contribution to dL/d(the hidden state it is fed) — dL/d hnorm's input through hnorm alone; the main stack's
+# `backward/model/final_norm` is the sum of it and the LM head's contribution (facts §2: the MTP layer reads the main
+# stack's state after model.norm), so the model-level replay is fed it as a main layer is fed its `output` cotangent.
+MTP_BACKWARD_ONLY = ("hnorm:in",)
+
+
+def mtp_param_sites(cfg) -> tuple[str, ...]:
+    """`grad.<name relative to model.layers.{N+j}.>` of every trainable parameter of an MTP layer, in forward order:
+    enorm, hnorm, eh_proj (facts §2), the MLA + MoE block's (`parity.model.points.backward_param_sites` of layer N:
+    an MTP layer is MLA + MoE), final_layernorm."""
+    own = ("grad.enorm.weight", "grad.hnorm.weight", "grad.eh_proj.weight")
+    return (*own, *backward_param_sites(cfg, cfg.num_hidden_layers), "grad.final_layernorm.weight")
+
+
+def mtp_backward_sites(cfg) -> tuple[str, ...]:
+    """The backward points of an MTP layer: the cotangents of its forward sites (`mtp_sites` with recorded inputs, but
+    `NO_COTANGENT`) with `hnorm:in` before `hnorm`, in forward order, then its weight gradients."""
+    out: list[str] = []
+    for s in mtp_sites(cfg, recorded_inputs=True):
+        if s in NO_COTANGENT:
+            continue
+        if s == "hnorm":
+            out.append("hnorm:in")
+        out.append(s)
+    return (*out, *mtp_param_sites(cfg))
+
+
+__all__ = ["MtpPoint", "mtp_sites", "mtp_group", "MTP_INPUTS", "GROUP_RE", "expected_mtp_points",
+           "MTP_BACKWARD_ONLY", "mtp_param_sites", "mtp_backward_sites"]

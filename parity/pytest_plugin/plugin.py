@@ -309,7 +309,7 @@ def parity_params(config: pytest.Config) -> list:
             unit = p.layer if mtp is None else f"MTP{mtp[0]}"
             lay = ("model" if p.layer is None else f"layer_{p.layer}") if mtp is None else None
             if p.phase == "backward":  # its own tests: `-k backward` selects the phase, `-k layer_3` still the layer
-                lay = f"backward/{lay}"
+                lay = "backward" if lay is None else f"backward/{lay}"  # an MTP layer's: .../backward/MTP0/<site>
             _, pts, unknown = groups.setdefault((lay, p.site), (unit, [], []))
             if not o.unknown:
                 pts.append((p.phase, p.step, p.layer, p.site))

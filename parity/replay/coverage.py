@@ -102,6 +102,12 @@ def owed_points(dump, layers: set[int] | None = None) -> list[Owed]:
     return out
 
 
+def _has_mtp_loss(dump) -> bool:
+    """Whether the dump's backward pass includes the MTP loss (root attr `backward.mtp_loss`, issue 33)."""
+    b = dump.meta.get("backward")
+    return isinstance(b, dict) and isinstance(b.get("mtp_loss"), dict)
+
+
 def has_backward(dump) -> bool:
     """Whether the dump was made with a backward pass (`--grads`: root attr `backward`, or backward points held)."""
     return isinstance(dump.meta.get("backward"), dict) or "backward" in dump.phases()
@@ -164,6 +170,25 @@ def _owed_mtp(dump, made: list[int], sites_f: list[str], layers: set[int] | None
                            f"{_fmt_layers(made)})" if len(made) < cfg.num_hidden_layers else
                            "not in the dump: it was made without its MTP layers")
                 elif sites_f and not any(fnmatch.fnmatchcase(site, f) for f in sites_f):
+                    why = f"not in the dump: it was made with --sites {','.join(sites_f)}"
+                elif layers is not None:
+                    why = f"not selected (--parity-layers {_fmt_layers(sorted(layers))} names main layers only)"
+                seen.add(p)
+                out.append(Owed(p, why))
+    if _has_mtp_loss(dump):  # issue 33: the MTP layers' backward points (`--grads --mtp-loss-scale F`)
+        from parity.model.mtp_points import mtp_backward_sites
+        from parity.model.points import grad_param_site
+
+        for j in range(n):
+            for site in mtp_backward_sites(cfg):
+                p = Point("backward", 0, None, f"MTP{j}/{site}")
+                param = site[len("grad."):] if site.startswith("grad.") else None
+                base = site if param is None else (grad_param_site(cfg, cfg.num_hidden_layers, param)
+                                                   or param.removesuffix(".weight"))
+                why = None
+                if captured is not None and j >= captured:
+                    why = "not in the dump: it was made without its MTP layers"
+                elif sites_f and not any(fnmatch.fnmatchcase(base, f) for f in sites_f):
                     why = f"not in the dump: it was made with --sites {','.join(sites_f)}"
                 elif layers is not None:
                     why = f"not selected (--parity-layers {_fmt_layers(sorted(layers))} names main layers only)"

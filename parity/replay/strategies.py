@@ -485,33 +485,139 @@ def observe_backward_model(s: Session) -> Iterator[Observation]:
     ids = _tokens(s, "prefill", 0)
     test: dict = {}
     feeds: dict = {}
+    # the dump's loss includes the MTP term (issue 33): the MTP layer's shares are fed from its dumped points
+    mtp = mtp_loss(s.dump) is not None
+    skip_mtp = _mtp_backward_why_not(s) if mtp else None
     logits_pt = Point("prefill", 0, None, "logits")
     if s.dump.has(logits_pt):
         _, test["logits"] = s.call("model backward: loss_backward", s.target.loss_backward, s.dump.read(logits_pt), ids)
     else:
         feeds["logits"] = logits_pt
     out_pt, dlog_pt = Point("prefill", 0, last, "output"), bp("logits")
-    if s.dump.has(out_pt) and s.dump.has(dlog_pt):
-        hb = s.call("model backward: head_backward", s.target.head_backward, s.dump.read(out_pt), s.dump.read(dlog_pt))
+    mtp_feeds = [Point("backward", 0, None, "MTP0/hnorm:in"), Point("prefill", 0, None, "MTP0/final_layernorm"),
+                 Point("backward", 0, None, "MTP0/logits")] if mtp else []
+    head_sites = ("final_norm", "final_norm:in", "grad.model.norm.weight", "grad.lm_head.weight")
+    lacking = next((p for p in [out_pt, dlog_pt, *mtp_feeds] if not s.dump.has(p)), None)
+    if lacking is None and skip_mtp is None:
+        extra = {"d_final_norm": s.dump.read(mtp_feeds[0])} if mtp else {}
+        hb = s.call("model backward: head_backward", s.target.head_backward, s.dump.read(out_pt), s.dump.read(dlog_pt),
+                    **extra)
         test.update({"final_norm": hb.get("final_norm"), "final_norm:in": hb.get("input"),
                      "grad.model.norm.weight": hb.get("grad.model.norm.weight"),
                      "grad.lm_head.weight": hb.get("grad.lm_head.weight")})
+        if mtp:  # the LM head's gradient also has the MTP logits' share (the head is shared, facts §2)
+            mh = s.call("model backward: mtp_head_backward", s.target.mtp_head_backward, s.dump.read(mtp_feeds[1]),
+                        s.dump.read(mtp_feeds[2]))
+            test["grad.lm_head.weight"] = _cotangent_sum([test["grad.lm_head.weight"], mh.get("grad.lm_head.weight")],
+                                                         _read(s, bp("grad.lm_head.weight")))
     else:
-        for site in ("final_norm", "final_norm:in", "grad.model.norm.weight", "grad.lm_head.weight"):
-            feeds[site] = out_pt if not s.dump.has(out_pt) else dlog_pt
+        for site in head_sites:
+            feeds[site] = lacking if lacking is not None else skip_mtp
     emb_pt = bp("embed")
+    emb_feeds = [emb_pt] + ([Point("backward", 0, None, "MTP0/embed")] if mtp else [])
+    lacking = next((p for p in emb_feeds if not s.dump.has(p)), None)
     if s.dump.has(emb_pt):
-        d_emb = s.dump.read(emb_pt)
-        test["embed"] = d_emb  # fed: the dump's own cotangent
-        test["grad.model.word_embeddings.weight"] = s.call("model backward: embed_backward", s.target.embed_backward,
-                                                           ids, d_emb)
+        test["embed"] = s.dump.read(emb_pt)  # fed: the dump's own cotangent
+    if lacking is None and skip_mtp is None:
+        parts = [s.call("model backward: embed_backward", s.target.embed_backward, ids, test["embed"])]
+        if mtp:  # the MTP layer embeds its own shifted ids with the same table (facts §2)
+            parts.append(s.call("model backward: embed_backward (MTP0's ids)", s.target.embed_backward,
+                                mtp_shifted_ids(ids), s.dump.read(emb_feeds[1])))
+        test["grad.model.word_embeddings.weight"] = _cotangent_sum(parts,
+                                                                   _read(s, bp("grad.model.word_embeddings.weight")))
     else:
-        feeds["grad.model.word_embeddings.weight"] = emb_pt
+        feeds["grad.model.word_embeddings.weight"] = lacking if lacking is not None else skip_mtp
     for pt in _backward_points(s, None):
         ref_pt = Point("backward", 0, last, "output") if pt.site == "final_norm:in" else pt
         miss = feeds.get(pt.site)
-        yield Observation(pt, _read(s, ref_pt), test.get(pt.site), s.mode,
-                          skip=None if miss is None else f"its input {miss.key()} is not in the dump")
+        why = None if miss is None else miss if isinstance(miss, str) else f"its input {miss.key()} is not in the dump"
+        yield Observation(pt, _read(s, ref_pt), test.get(pt.site), s.mode, skip=why)
+
+
+def mtp_loss(dump) -> dict | None:
+    """The dump's `backward.mtp_loss` (issue 33: made with `--grads --mtp-loss-scale F`), None without the MTP loss."""
+    b = dump.meta.get("backward")
+    m = b.get("mtp_loss") if isinstance(b, dict) else None
+    return m if isinstance(m, dict) else None
+
+
+def mtp_shifted_ids(ids: np.ndarray) -> np.ndarray:
+    """The MTP layer's input ids of a prefill (facts §2): position t gets token t+1, the last position 0."""
+    out = np.zeros_like(ids)
+    out[:, :-1] = ids[:, 1:]
+    return out
+
+
+def _mtp_backward_why_not(s: Session) -> str | None:
+    """Why the target cannot run the MTP backward (None: it can)."""
+    why = _backward_why_not(s)
+    if why is None and "mtp" not in s.target.capabilities:
+        why = f"target {s.target.name} lacks capability mtp (the dump's loss includes the MTP term)"
+    if why is None and type(s.target).mtp_backward is Target.mtp_backward:
+        why = (f"target {s.target.name} does not implement the MTP backward (mtp_loss_backward, mtp_head_backward, "
+               "mtp_backward), which the dump's loss (with the MTP term) needs")
+    return why
+
+
+def _mtp_backward_points(s: Session, j: int) -> list[Point]:
+    from parity.model.mtp_points import mtp_backward_sites
+
+    return [Point("backward", 0, None, f"MTP{j}/{site}") for site in mtp_backward_sites(s.config)]
+
+
+def observe_backward_mtp(s: Session, j: int, why: str | None = None) -> Iterator[Observation]:
+    """The backward phase of MTP layer j, teacher-forced (issue 33; a dump with `backward.mtp_loss`):
+    - `logits`: the MTP term's dL/d mtp_logits from the dumped prefill `MTP{j}/logits` and ids (`mtp_loss_backward`,
+      the dump's scale);
+    - `final_layernorm`: the MTP head's VJP at the dumped `MTP{j}/final_layernorm` fed the dumped `logits` cotangent;
+    - the rest: the MTP layer's VJP at the dumped `MTP{j}/embed` and `model/final_norm` (its forward inputs), fed the
+      dumped `final_layernorm` cotangent, routing forced to the dumped top-k: every site's cotangent, `embed`
+      (dL/d its embedding input), `hnorm:in` (dL/d its hidden input) and every weight gradient.
+    `why`: skip every point with this reason (a mode or target that cannot replay it)."""
+    if mtp_loss(s.dump) is None:
+        return
+    pts = _mtp_backward_points(s, j)
+    why = why or _mtp_backward_why_not(s)
+    if why is not None:
+        for pt in pts:
+            yield Observation(pt, _read(s, pt), None, s.mode, skip=why)
+        return
+    bp = lambda site: Point("backward", 0, None, f"MTP{j}/{site}")  # noqa: E731
+    fp = lambda site: Point("prefill", 0, None, f"MTP{j}/{site}")  # noqa: E731
+    scale = float(mtp_loss(s.dump)["scale"])
+    ids = _tokens(s, "prefill", 0)
+    test: dict = {}
+    feeds: dict = {}
+    missing: dict = {}
+    if s.dump.has(fp("logits")):
+        _, test["logits"] = s.call(f"MTP{j} backward: mtp_loss_backward", s.target.mtp_loss_backward,
+                                   s.dump.read(fp("logits")), ids, scale)
+    else:
+        feeds["logits"] = fp("logits")
+    lacking = next((p for p in (fp("final_layernorm"), bp("logits")) if not s.dump.has(p)), None)
+    if lacking is None:
+        hb = s.call(f"MTP{j} backward: mtp_head_backward", s.target.mtp_head_backward,
+                    s.dump.read(fp("final_layernorm")), s.dump.read(bp("logits")))
+        test["final_layernorm"] = hb.get("input")
+    else:
+        feeds["final_layernorm"] = lacking
+    layer_feeds = (fp("embed"), Point("prefill", 0, None, "final_norm"), bp("final_layernorm"))
+    lacking = next((p for p in layer_feeds if not s.dump.has(p)), None)
+    if lacking is None:
+        emb, hidden, cot = (s.dump.read(p) for p in layer_feeds)
+        topk = _read(s, fp("mlp.gate.topk_idx"))
+        res = s.call(f"MTP{j} backward: mtp_backward", s.target.mtp_backward, j, emb, hidden,
+                     np.arange(hidden.shape[1]), cot, forced_topk=None if topk is None else topk.astype(np.int32))
+        test.update({k: v for k, v in res.points.items() if k not in ("logits", "final_layernorm")})
+        test["hnorm:in"] = res.input_grad
+        test.update({f"grad.{k}": v for k, v in res.param_grads.items()})
+        missing = getattr(res, "missing", None) or {}
+    for pt in pts:
+        site = pt.site.split("/", 1)[1]
+        miss = feeds.get(site) if site in ("logits", "final_layernorm") else (feeds.get(site) or lacking)
+        yield Observation(pt, _read(s, pt), None if miss is not None else test.get(site), s.mode,
+                          skip=None if miss is None else f"its input {miss.key()} is not in the dump",
+                          why_absent=missing.get(site))
 
 
 def mtp_unit(j: int) -> str:
@@ -548,6 +654,7 @@ def observe_mtp(s: Session, j: int) -> Iterator[Observation]:
         for phase, step in s.steps():
             for site in sites:
                 yield Observation(pt(phase, step, site), None, None, s.mode, skip=why)
+        yield from observe_backward_mtp(s, j, why)
         return
     cfg = s.config
     i = cfg.num_hidden_layers + j
@@ -604,6 +711,7 @@ def observe_mtp(s: Session, j: int) -> Iterator[Observation]:
                 if forced_pts is not None and site in ROUTER_DOWNSTREAM:
                     yield Observation(p, ref, forced_pts.get(site), s.mode, forced=True, positions=positions,
                                       expert_bias=bias, transform=tf.get(site), shadows=precision_payload(s, p))
+        yield from observe_backward_mtp(s, j)
     finally:
         s.target.unload_mtp(j)
 

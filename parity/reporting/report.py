@@ -60,6 +60,8 @@ def _backward_rank(cfg, layer: int | None, site: str) -> tuple:
     module's output cotangent — then the embedding."""
     from parity.model.points import BACKWARD_MODEL_SITES, grad_param_site
 
+    if layer is None and (m := mtp_site(site)) is not None:
+        return _mtp_backward_rank(cfg, m[0], m[1])
     if layer is None:
         head = ("logits", "grad.lm_head.weight", "final_norm", "grad.model.norm.weight", "final_norm:in")
         if site in head:
@@ -69,6 +71,21 @@ def _backward_rank(cfg, layer: int | None, site: str) -> tuple:
         src = grad_param_site(cfg, layer, site[len("grad."):])
         return (-layer, -_site_rank(cfg, layer, src) if src else 1, 1)
     return (-layer, -_site_rank(cfg, layer, site), 0)
+
+
+def _mtp_backward_rank(cfg, j: int, site: str) -> tuple:
+    """An MTP layer's backward points (issue 33) come first: its loss term is the last computation of the forward
+    (facts §2), and the main head's `final_norm` cotangent takes its `hnorm:in`. Within the layer, from its logits'
+    cotangent back to `embed`, a weight gradient right after its module's output cotangent."""
+    from parity.model.mtp_points import mtp_backward_sites
+    from parity.model.points import grad_param_site
+
+    order = [s for s in mtp_backward_sites(cfg) if not s.startswith("grad.")]
+    if site.startswith("grad."):
+        param = site[len("grad."):]
+        src = grad_param_site(cfg, cfg.num_hidden_layers, param) or param.removesuffix(".weight")
+        return (-2 * 10**6 - j, -order.index(src) if src in order else 1, 1)
+    return (-2 * 10**6 - j, -order.index(site) if site in order else 1, 0)
 
 
 def _pt(rec: dict) -> Point:

@@ -169,9 +169,13 @@ class Target(abc.ABC):
         differentiated)."""
         raise NotImplementedError(f"target {self.name} has no backward (capability `backward`)")
 
-    def head_backward(self, hidden: np.ndarray, d_logits: np.ndarray) -> dict[str, np.ndarray]:
+    def head_backward(self, hidden: np.ndarray, d_logits: np.ndarray, d_final_norm: np.ndarray | None = None
+                      ) -> dict[str, np.ndarray]:
         """VJP of final norm + LM head at the last layer's output `hidden` with dL/dlogits: {"final_norm": dL/d final
-        norm output, "input": dL/d hidden, "grad.model.norm.weight": [D], "grad.lm_head.weight": [V,D]}."""
+        norm output, "input": dL/d hidden, "grad.model.norm.weight": [D], "grad.lm_head.weight": [V,D]}.
+        `d_final_norm` [B,T,D] (given only for a dump with the MTP loss, issue 33): the final norm output's cotangent
+        from its other consumer, the MTP layer (the dump's `MTP0/hnorm:in`), added in the model dtype to the LM
+        head's before the norm's VJP (so "final_norm" is the sum)."""
         raise NotImplementedError(f"target {self.name} has no backward (capability `backward`)")
 
     def embed_backward(self, input_ids: np.ndarray, d_embed: np.ndarray) -> np.ndarray:
@@ -182,6 +186,27 @@ class Target(abc.ABC):
         """(loss, dL/dlogits fp32 [B,T,V]) of `next_token_ce_mean_fp32` (mean over t = 0..T-2 of CE(logits[:, t],
         ids[:, t+1]) in fp32)."""
         raise NotImplementedError(f"target {self.name} has no backward (capability `backward`)")
+
+    # ------------------------------------------------------------------ MTP backward (capabilities `mtp` + `backward`)
+    # Issue 33: a dump made with `--grads --mtp-loss-scale F` (root attr `backward.mtp_loss`, docs/dumping.md). A
+    # target that does not implement these has its MTP backward points skipped, saying so.
+    def mtp_loss_backward(self, logits: np.ndarray, input_ids: np.ndarray, scale: float) -> tuple[float, np.ndarray]:
+        """(the unscaled MTP term, dL/d mtp_logits fp32 [B,T,V] of `scale` x the term): the term is the mean over
+        t = 0..T-3 of CE(mtp_logits[:, t] in fp32, ids[:, t+2])."""
+        raise NotImplementedError(f"target {self.name} has no MTP backward")
+
+    def mtp_head_backward(self, out: np.ndarray, d_logits: np.ndarray) -> dict[str, np.ndarray]:
+        """VJP of the LM head on the MTP layer's output `out` (no model.norm) with dL/d mtp_logits: {"input": dL/d out
+        [B,T,D] (the `final_layernorm` cotangent), "grad.lm_head.weight": the MTP term's share [V,D]}."""
+        raise NotImplementedError(f"target {self.name} has no MTP backward")
+
+    def mtp_backward(self, j: int, embedded: np.ndarray, hidden: np.ndarray, positions: np.ndarray,
+                     cotangent: np.ndarray, forced_topk: np.ndarray | None = None) -> BackwardResult:
+        """VJP of MTP layer j at prefill (no state) on `embedded` / `hidden` (as `mtp_forward`), with dL/d its output
+        (the final_layernorm output) `cotangent`, routed to `forced_topk`: input_grad = dL/d hidden through this
+        layer (its `hnorm:in`), param_grads under HF names relative to `model.layers.{N+j}.`, points {MTP site:
+        cotangent} including "embed" (dL/d embedded)."""
+        raise NotImplementedError(f"target {self.name} has no MTP backward")
 
     # ------------------------------------------------------------------ protocol v2 (optional, with defaults)
     def use_checkpoint_dir(self, path, layers: list[int] | None = None) -> None:

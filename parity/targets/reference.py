@@ -218,15 +218,18 @@ class ReferenceTarget(Target):
         grads = {k: v for k, v in to_hf_layout(self.cfg, i, dp).items() if k not in self.NOT_TRAINABLE}
         return BackwardResult(np.asarray(dh), grads, {k: np.asarray(v) for k, v in dpr.items()})
 
-    def head_backward(self, hidden: np.ndarray, d_logits: np.ndarray) -> dict[str, np.ndarray]:
+    def head_backward(self, hidden: np.ndarray, d_logits: np.ndarray, d_final_norm: np.ndarray | None = None
+                      ) -> dict[str, np.ndarray]:
         import jax.numpy as jnp
 
         from parity.jax_ling3.backward import head_backward
         from parity.jax_ling3.spec import dtype_of
 
         g = self.globals
-        out = head_backward(g["final_norm"], g["lm_head"], jnp.asarray(hidden, dtype_of(self.dtype)),
-                            jnp.asarray(d_logits, jnp.float32), eps=float(self.cfg.rms_norm_eps))
+        dt = dtype_of(self.dtype)
+        extra = None if d_final_norm is None else jnp.asarray(d_final_norm, dt)
+        out = head_backward(g["final_norm"], g["lm_head"], jnp.asarray(hidden, dt),
+                            jnp.asarray(d_logits, jnp.float32), eps=float(self.cfg.rms_norm_eps), d_final_norm=extra)
         return {"final_norm": np.asarray(out["final_norm"]), "input": np.asarray(out["input"]),
                 "grad.model.norm.weight": np.asarray(out["final_norm_w"]),
                 "grad.lm_head.weight": np.ascontiguousarray(np.asarray(out["lm_head"]).T)}  # [D,V] -> HF [V,D]
@@ -312,6 +315,58 @@ class ReferenceTarget(Target):
         from parity.jax_ling3.mtp import mtp_layer_jit
 
         return mtp_layer_jit
+
+    # ---------------------------------------------------------------- MTP backward (issue 33, jax_ling3/backward.py)
+    def mtp_loss_backward(self, logits: np.ndarray, input_ids: np.ndarray, scale: float) -> tuple[float, np.ndarray]:
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.backward import mtp_loss_backward
+
+        term, d = mtp_loss_backward(jnp.asarray(logits, jnp.float32), jnp.asarray(input_ids, jnp.int32),
+                                    jnp.asarray(scale, jnp.float32))
+        return float(term), np.asarray(d)
+
+    def mtp_head_backward(self, out: np.ndarray, d_logits: np.ndarray) -> dict[str, np.ndarray]:
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.backward import mtp_head_backward
+        from parity.jax_ling3.spec import dtype_of
+
+        r = mtp_head_backward(self.globals["lm_head"], jnp.asarray(out, dtype_of(self.dtype)),
+                              jnp.asarray(d_logits, jnp.float32))
+        return {"input": np.asarray(r["input"]),
+                "grad.lm_head.weight": np.ascontiguousarray(np.asarray(r["lm_head"]).T)}  # [D,V] -> HF [V,D]
+
+    def mtp_backward(self, j: int, embedded: np.ndarray, hidden: np.ndarray, positions: np.ndarray,
+                     cotangent: np.ndarray, forced_topk: np.ndarray | None = None) -> BackwardResult:
+        """`jax.vjp` of the MTP layer function `_mtp_pure_fn` (`mtp.mtp_layer`) with probes at its sites; weight
+        gradients under HF names: enorm / hnorm / final_layernorm [D], eh_proj [D, 2D] (HF layout, the transpose of
+        the JAX [2D, D]), the block's through `weights.to_hf_layout` of layer N+j."""
+        import jax.numpy as jnp
+
+        from parity.jax_ling3.backward import make_mtp_backward_jit
+        from parity.jax_ling3.spec import dtype_of
+        from parity.jax_ling3.weights import to_hf_layout
+
+        i = self.cfg.num_hidden_layers + j
+        dt = dtype_of(self.dtype)
+        fi = None if forced_topk is None else jnp.asarray(forced_topk, jnp.int32)
+        de, dh, dp, dpr = make_mtp_backward_jit(self._mtp_pure_fn())(
+            self.params[("mtp", j)], jnp.asarray(embedded, dt), jnp.asarray(hidden, dt),
+            jnp.asarray(positions, jnp.int32), jnp.asarray(cotangent, dt), fi, spec=self.spec(i))
+        grads = {f"{n}.weight": np.asarray(dp[n]) for n in ("enorm", "hnorm", "final_layernorm")}
+        grads["eh_proj.weight"] = np.ascontiguousarray(np.asarray(dp["eh_proj"]).T)  # [2D, D] -> HF [D, 2D]
+        grads.update({k: v for k, v in to_hf_layout(self.cfg, i, dp["block"]).items() if k not in self.NOT_TRAINABLE})
+        points = {k: np.asarray(v) for k, v in dpr.items()}
+        points["embed"] = np.asarray(de)
+        return BackwardResult(np.asarray(dh), grads, points)
+
+    def _mtp_pure_fn(self):
+        """The un-jitted MTP layer function (`mtp.mtp_layer`'s signature, with `probes`) the MTP backward
+        differentiates (a subclass may swap it, e.g. a planted bug in a test)."""
+        from parity.jax_ling3.mtp import mtp_layer
+
+        return mtp_layer
 
     def _layer_fn(self):
         """The jitted layer function `layer_forward` calls (a subclass may swap it, e.g. `mutants.MutantTarget`)."""

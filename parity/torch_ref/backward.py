@@ -11,8 +11,13 @@ of the loss `next_token_ce_mean_fp32` (`next_token_ce`) through the same runtime
 - weight gradients of every parameter under its HF (official checkpoint) name: `grad.<name relative to
   model.layers.{i}.>` per layer, `grad.<full name>` at model level (`hf_param_grads`; the built-in `bailing_hybrid`'s
   renamed and merged parameters are mapped back, `native_to_hf`).
-Routing in the backward is the forward's: torch does not differentiate the discrete top-k. The MTP layers' loss is not
-included (their parameters get no gradient and no backward points are written for them).
+Routing in the backward is the forward's: torch does not differentiate the discrete top-k.
+
+The MTP loss (issue 33, `--mtp-loss-scale F`, opt-in): the loss becomes the official `BailingMoeV3ForCausalLM.forward`'s
+training `loss` with `labels = input_ids` and `mtp_loss_scaling_factor = F` (`MTP_LOSS_DEFINITION`, `mtp_ce`), and MTP
+layer j's backward points are written like a main layer's in the group `MTP{j}` (`MtpPoint("backward", 0, j, site)`,
+sites `parity.model.mtp_points.mtp_backward_sites`), plus `hnorm:in` (`watch_mtp_hidden`). Without it the MTP layer is
+off the loss's path: its parameters get no gradient and no backward points are written for it (dumps before issue 33).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from parity.errors import ParityError
+from parity.model.mtp_points import MtpPoint
 from parity.model.points import Point
 from parity.torch_ref.capture import Capture, to_numpy
 
@@ -58,10 +64,69 @@ def next_token_ce(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(lf[:, :-1].reshape(-1, V), input_ids[:, 1:].reshape(-1).to(lf.device), reduction="mean")
 
 
-def loss_record(value: float, terms: int, grad_dtype: str, stats_only: bool) -> dict:
-    """The root attr `backward` (contract)."""
+# The MTP term (issue 33). Read from the official file (sha256 c2509bf7…, `BailingMoeV3ForCausalLM.forward`, lines
+# ~1583-1607): for MTP layer i, `mtp_logits = lm_head(mtp_hidden_states[i]).float()`; `shift_labels_mtp` = labels
+# rolled left by one more position per MTP layer with -100 filled in (`roll_tensor(..., fill_value=-100)`); then
+# `self.loss_function` — transformers' ForCausalLMLoss — shifts once more (pads -100 and takes labels[..., 1:]) on
+# the *flattened* labels and takes the mean CE over the non-ignored entries; `loss += mtp_loss_scaling_factor *
+# mtp_loss`. So with labels = input_ids and one MTP layer (B = 1) the MTP layer's logits at position t are scored
+# against the token two positions on, t = 0..T-3. Its input ids are shifted by one only (facts §2): position t sees
+# token t+1 and the main state at t, and predicts token t+2.
+MTP_LOSS_NAME = "mtp_next_next_token_ce_mean_fp32"
+MTP_LOSS_DEFINITION = ("L = backward.value + scale * mtp, mtp = mean over positions t = 0..T-3 of the prompt of "
+                       "CE(mtp_logits[0, t], input_ids[0, t+2]) with mtp_logits = lm_head(MTP0 final_layernorm "
+                       "output).float() (natural log, fp32 logits, mean over T-2 terms; B = 1, one MTP layer); prefill "
+                       "only. The official BailingMoeV3ForCausalLM.forward's `loss` with labels = input_ids and "
+                       "mtp_loss_scaling_factor = scale (its `mtp_loss[0]` = mtp); mtp_loss.value = mtp, "
+                       "mtp_loss.total = L")
+IGNORE_INDEX = -100  # transformers' ignore_index, as the official loss uses it
+
+
+def check_mtp_loss(scale: float, batch: int, seq: int, n_mtp: int, has_mtp_layer: bool) -> None:
+    """Refuse an MTP loss the definition does not cover, in one line naming the option and what was expected."""
+    import math
+
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ParityError(f"--mtp-loss-scale {scale!r}: expected a finite number > 0 (without the option the MTP "
+                          "loss is not included)")
+    if n_mtp != 1 or not has_mtp_layer:
+        raise ParityError(f"--mtp-loss-scale: the checkpoint declares num_nextn_predict_layers = {n_mtp}"
+                          f"{'' if has_mtp_layer else ' and the runtime has no MTP layer'}; expected exactly one MTP "
+                          "layer the runtime runs (the official forward's MTP loss loop rebinds mtp_hidden_states "
+                          "after its first layer, so only one is defined)")
+    if batch != 1:
+        raise ParityError(f"--mtp-loss-scale: a batch of {batch} prompts; expected 1 (the official loss shifts the "
+                          "flattened batch, so a row's last position would be scored against the next row's second "
+                          "token): dump one prompt at a time")
+    if seq < 3:
+        raise ParityError(f"--mtp-loss-scale: a prompt of {seq} token(s); expected at least 3 (the MTP layer at "
+                          "position t predicts token t+2)")
+
+
+def mtp_ce(mtp_logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """The MTP term of MTP_LOSS_DEFINITION (unscaled), computed in the official file's own form so that its value is
+    the official `mtp_loss[0]` bit for bit: labels shifted left by two per row with IGNORE_INDEX filled in, flattened,
+    `F.cross_entropy(..., ignore_index=-100)` (mean over the T-2 scored positions). mtp_logits [1,T,V] fp32."""
+    B, T, V = mtp_logits.shape
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    labels[:, :-2] = input_ids[:, 2:]
+    return F.cross_entropy(mtp_logits.float().reshape(-1, V), labels.reshape(-1).to(mtp_logits.device),
+                           ignore_index=IGNORE_INDEX, reduction="mean")
+
+
+def mtp_loss_record(scale: float, value: float, main_value: float, terms: int) -> dict:
+    """`backward.mtp_loss` (contract, docs/dumping.md): the MTP term's definition, its unscaled value, the scale and
+    the loss the backward differentiated."""
+    return {"loss": MTP_LOSS_NAME, "definition": MTP_LOSS_DEFINITION, "scale": float(scale), "mtp_layers": 1,
+            "value": float(value), "terms": int(terms), "total": float(main_value + scale * value),
+            "labels": "input_ids"}
+
+
+def loss_record(value: float, terms: int, grad_dtype: str, stats_only: bool, mtp: dict | None = None) -> dict:
+    """The root attr `backward` (contract). `value` / `terms`: the main next-token term; `mtp`: `mtp_loss_record`
+    when the MTP loss is included (else null)."""
     return {"loss": LOSS_NAME, "definition": LOSS_DEFINITION, "value": float(value), "terms": int(terms),
-            "mtp_loss": None, "grad_dtype": grad_dtype, "weights": "stats" if stats_only else "full"}
+            "mtp_loss": mtp, "grad_dtype": grad_dtype, "weights": "stats" if stats_only else "full"}
 
 
 # ---------------------------------------------------------------------------------------------- no_grad methods
@@ -151,14 +216,17 @@ def hf_param_grads(model: torch.nn.Module, map_name: str) -> Iterator[tuple[str,
             yield name, p, g
 
 
-def grad_point(hf_name: str, n_layers: int) -> Point | None:
-    """The backward point of a weight gradient (None for an MTP layer's parameter, model.layers.{N+j}: not dumped)."""
+def grad_point(hf_name: str, n_layers: int, mtp: bool = False) -> Point | MtpPoint | None:
+    """The backward point of a weight gradient. An MTP layer's parameter (model.layers.{N+j}) has one only with `mtp`
+    (the MTP loss included): `MtpPoint("backward", 0, j, "grad.<name relative to the layer>")`; else None (not
+    dumped: off the loss's path)."""
     if hf_name.startswith("model.layers."):
         parts = hf_name.split(".")
         i = int(parts[2])
+        site = "grad." + ".".join(parts[3:])
         if i >= n_layers:
-            return None
-        return Point("backward", 0, i, "grad." + ".".join(parts[3:]))
+            return MtpPoint("backward", 0, i - n_layers, site) if mtp else None
+        return Point("backward", 0, i, site)
     return Point("backward", 0, None, "grad." + hf_name)
 
 
@@ -166,14 +234,17 @@ def grad_point(hf_name: str, n_layers: int) -> Point | None:
 class CotangentRecorder:
     """Registers, for each tensor the forward capture emits in the prefill, a hook that hands its gradient to `sink`
     as the backward point of the same site (canonical shape and top-k order, as the forward point). Install with
-    `attach(capture)` before the prefill forward; `unavailable()` after the backward says which sites got none."""
+    `attach(capture)` before the prefill forward; `unavailable()` after the backward says which sites got none.
+    `mtp`: the MTP loss is included, so the MTP layers' sites get backward points too (`MtpPoint`); else they are
+    off the loss's path and ignored."""
 
-    def __init__(self, cap: Capture, sink: Callable[[Point, np.ndarray, dict], None]) -> None:
-        self.cap, self.sink = cap, sink
+    def __init__(self, cap: Capture, sink: Callable[[Point | MtpPoint, np.ndarray, dict], None],
+                 mtp: bool = False) -> None:
+        self.cap, self.sink, self.mtp = cap, sink, mtp
         self.n = cap.cfg.num_hidden_layers
-        self.watched: dict[Point, str] = {}  # point -> module (a hook registered)
-        self.refused: dict[Point, str] = {}  # point -> reason (no hook: the value does not require grad)
-        self.arrived: set[Point] = set()
+        self.watched: dict[Point | MtpPoint, str] = {}  # point -> module (a hook registered)
+        self.refused: dict[Point | MtpPoint, str] = {}  # point -> reason (no hook: the value does not require grad)
+        self.arrived: set[Point | MtpPoint] = set()
         self.handles: list = []
         self._observing = False
 
@@ -227,11 +298,12 @@ class CotangentRecorder:
         self._observing = True
 
     def watch(self, layer: int | None, site: str, t: torch.Tensor, *, module: str, io: str) -> None:
-        if layer is not None and layer >= self.n:
-            return  # an MTP layer: its loss is not included, no backward points (contract)
-        if layer is None and site == "logits":
-            return  # dL/dlogits is taken on the loss's own fp32 logits (`watch_logits`)
-        point = Point("backward", 0, layer, site)
+        mtp_layer = layer is not None and layer >= self.n
+        if mtp_layer and not self.mtp:
+            return  # an MTP layer without the MTP loss: off the loss's path, no backward points (contract)
+        if site == "logits" and (layer is None or mtp_layer):
+            return  # dL/dlogits is taken on the loss's own fp32 logits (`watch_logits`, `watch_mtp_logits`)
+        point = MtpPoint("backward", 0, layer - self.n, site) if mtp_layer else Point("backward", 0, layer, site)
         if point in self.watched or point in self.refused:
             raise ParityError(f"{self.cap.map_name} runtime: {point.key()} emitted twice in one prefill")
         if layer is not None:
@@ -257,22 +329,56 @@ class CotangentRecorder:
         self.handles.append(logits.register_hook(lambda g: self._arrive(point, g, "loss input (fp32 logits)",
                                                                            "output")))
 
-    def _arrive(self, point: Point, g: torch.Tensor, module: str, io: str) -> None:
+    def watch_mtp_logits(self, j: int, logits: torch.Tensor) -> None:
+        """dL/d mtp_logits [B,T,V] fp32 of MTP layer j on the tensor the MTP term reads (`mtp_ce`'s fp32 logits)."""
+        point = MtpPoint("backward", 0, j, "logits")
+        module = "MTP loss input (fp32 MTP logits)"
+        self.watched[point] = module
+        self.handles.append(logits.register_hook(lambda g: self._arrive(point, g, module, "output")))
+
+    def watch_mtp_hidden(self, model: torch.nn.Module, j: int) -> None:
+        """`hnorm:in` of MTP layer j: dL/d(hnorm's input) through hnorm alone — the MTP layer's share of the
+        cotangent of the hidden state it is fed (the main stack's after model.norm, one tensor that the LM head reads
+        too, so a hook on that tensor gives only the sum). Read with a full backward hook on the hnorm module, whose
+        `grad_input` is exactly that share (torch wraps the module's input and output in identity autograd nodes: the
+        forward's values are unchanged)."""
+        i = self.n + j
+        point = MtpPoint("backward", 0, j, "hnorm:in")
+        if not self.cap.wants(i, "hnorm:in"):
+            return
+        mods = dict(model.named_modules())
+        hnorm = mods.get(f"model.layers.{i}.hnorm")
+        if hnorm is None:
+            self.refused[point] = f"the {self.cap.map_name} runtime has no module model.layers.{i}.hnorm"
+            return
+        module = f"model.layers.{i}.hnorm (input, through hnorm alone)"
+        self.watched[point] = module
+
+        def hook(_m, grad_input, _grad_output):  # returns None: the gradient flows on unchanged
+            if grad_input and isinstance(grad_input[0], torch.Tensor):
+                self._arrive(point, grad_input[0], module, "input")
+
+        self.handles.append(hnorm.register_full_backward_hook(hook))
+
+    def _arrive(self, point: Point | MtpPoint, g: torch.Tensor, module: str, io: str) -> None:
         if point in self.arrived:
             raise ParityError(f"{self.cap.map_name} runtime: the cotangent of {point.key()} arrived twice")
         self.arrived.add(point)
         arr, shape_names = self.cap.canonical(point, to_numpy(g), module=module)
         if point.site == "mlp.gate.topk_weight":
-            order = self.cap.topk_order.get(Point("prefill", 0, point.layer, "mlp.gate.topk"))
+            fwd = (MtpPoint("prefill", 0, point.mtp, "mlp.gate.topk") if isinstance(point, MtpPoint)
+                   else Point("prefill", 0, point.layer, "mlp.gate.topk"))
+            order = self.cap.topk_order.get(fwd)
             if order is None:
-                raise ParityError(f"{point.key()}: the forward's canonical top-k order of layer {point.layer} is "
-                                  "unknown (its topk_idx was not captured)")
+                raise ParityError(f"{point.key()}: the forward's canonical top-k order of {fwd.key()} is unknown (its "
+                                  "topk_idx was not captured)")
             arr = np.take_along_axis(arr, order, -1)
             shape_names = "B,T,K"
         self.sink(point, arr, {"module": f"d loss / d {module}", "io": io, "shape_names": shape_names})
 
     def unavailable(self) -> dict[str, str]:
-        """`backward/L03/<site>` -> reason, for the sites seen in the forward that got no cotangent."""
+        """`backward/L03/<site>` (`backward/MTP0/<site>`) -> reason, for the sites seen in the forward that got no
+        cotangent."""
         out = {p.key(): r for p, r in self.refused.items()}
         for p, module in self.watched.items():
             if p not in self.arrived:

@@ -24,11 +24,11 @@ import torch
 
 from parity.model.config import Ling3Config
 from parity.errors import ParityError
-from parity.model.mtp_points import mtp_group
+from parity.model.mtp_points import MtpPoint, mtp_group
 from parity.model.points import Point
 from parity.torch_ref import fla_cpu
-from parity.torch_ref.backward import (CotangentRecorder, grad_point, hf_param_grads, lift_no_grad_methods, loss_record,
-                                       next_token_ce)
+from parity.torch_ref.backward import (CotangentRecorder, check_mtp_loss, grad_point, hf_param_grads,
+                                       lift_no_grad_methods, loss_record, mtp_ce, mtp_loss_record, next_token_ce)
 from parity.torch_ref.capture import Capture, runtime_map_name, to_numpy
 from parity.torch_ref.kernels import KernelObserver, bf16_gemm_policy, fp32_matmul_policy, kernels_record
 
@@ -69,6 +69,10 @@ class DumpOptions:
     # issue 26: after the prefill, one backward pass of the next-token CE (parity.torch_ref.backward) recorded as the
     # `backward` phase (cotangents at the canonical sites, weight gradients under HF names); decode steps unchanged
     grads: bool = False
+    # issue 33: with `grads`, the MTP loss term scaled by this factor is added to the loss (the official training loss
+    # with mtp_loss_scaling_factor = this value; parity.torch_ref.backward.MTP_LOSS_DEFINITION) and the MTP layer's
+    # backward points are written; None: the next-token CE alone (`backward.mtp_loss` null)
+    mtp_loss_scale: float | None = None
 
 
 @dataclass
@@ -434,6 +438,16 @@ def dump_checkpoint(
     bad = [i for i in layers if not 0 <= i < cfg.num_hidden_layers]
     if bad:
         raise ParityError(f"--layers {bad}: the model has layers 0..{cfg.num_hidden_layers - 1}")
+    if opts.mtp_loss_scale is not None:  # before loading anything (the runtime's MTP layer is checked after)
+        if not opts.grads:
+            raise ParityError("--mtp-loss-scale: expected --grads too (it sets the backward pass's loss)")
+        if opts.runtime == "native":
+            raise ParityError("--mtp-loss-scale: the native runtime (transformers' built-in bailing_hybrid) has no MTP "
+                              "layer; expected --runtime remote")
+        check_mtp_loss(opts.mtp_loss_scale, *ids.shape, cfg.num_nextn_predict_layers, True)
+        if not _mtp_capture(opts, cfg):
+            raise ParityError("--mtp-loss-scale: the MTP layer's points are not captured (--layers selects main layers "
+                              "only); expected a dump of every layer")
     if opts.runtime == "native":
         check_native_supports(cfg, ckpt_dir)
 
@@ -521,7 +535,8 @@ def dump_checkpoint(
                         if cap.wants(i, site):
                             unavailable[f"L{i:02d}/{site}"] = cap.unexposed_reason(site, i)
                 all_tokens = [ids]
-                recorder = CotangentRecorder(cap, sink).attach() if opts.grads else None
+                with_mtp_loss = opts.mtp_loss_scale is not None
+                recorder = CotangentRecorder(cap, sink, mtp=with_mtp_loss).attach() if opts.grads else None
                 lifted = stack.enter_context(lift_no_grad_methods(model)) if opts.grads else []
                 if recorder is not None:
                     stack.callback(recorder.detach)  # hooks and the stand-ins' observer out, also on a failure
@@ -529,6 +544,9 @@ def dump_checkpoint(
                         recorder.observe_kernel_gate(model)
                 progress = _progress(opts.progress, (1 + opts.decode_steps) * len(layers))
                 with cap, torch.no_grad():
+                    if with_mtp_loss:
+                        check_mtp_loss(opts.mtp_loss_scale, B, T, cfg.num_nextn_predict_layers, bool(cap.mtp_layers))
+                        recorder.watch_mtp_hidden(model, 0)
                     if want_mtp:
                         for j in range(cfg.num_nextn_predict_layers):
                             if cfg.num_hidden_layers + j not in cap.mtp_layers:
@@ -560,7 +578,7 @@ def dump_checkpoint(
                     if recorder is not None:
                         with torch.enable_grad():
                             backward_meta = run_backward(model, map_name, cfg, cap, recorder, sink, logits, t_ids,
-                                                         opts)
+                                                         opts, getattr(out, "mtp_logits", None))
                         recorder.detach()
                         if lifted:
                             backward_meta["no_grad_lifted"] = lifted  # (the official moe_infer, backward.py)
@@ -611,7 +629,7 @@ def dump_checkpoint(
             for key in missing:
                 unavailable[key] = "hook registered but did not fire"
             if recorder is not None:
-                for p in cap.missing("prefill", 0, mtp=False):
+                for p in cap.missing("prefill", 0, mtp=recorder.mtp):
                     unavailable[f"backward/{p.key().split('/', 1)[1]}"] = "no forward tensor (the hook did not fire)"
                 unavailable.update(recorder.unavailable())
             # a site the map lacks may still have come from the cache snapshot (KDA conv_state): then it is not
@@ -683,25 +701,38 @@ class BackgroundWriter:
 
 
 def run_backward(model, map_name: str, cfg: Ling3Config, cap: Capture, recorder: CotangentRecorder, sink, logits,
-                 input_ids: torch.Tensor, opts: DumpOptions) -> dict:
-    """The backward pass of --grads (parity.torch_ref.backward): loss on the prefill's logits, L.backward() (the
-    recorder's tensor hooks write the cotangents as they arrive), then every parameter's gradient under its HF name.
-    Returns the root attr `backward`. Gradients are released after (the decode steps need none)."""
+                 input_ids: torch.Tensor, opts: DumpOptions, mtp_logits=None) -> dict:
+    """The backward pass of --grads (parity.torch_ref.backward): loss on the prefill's logits — plus, with
+    `opts.mtp_loss_scale`, the scaled MTP term on the MTP layer's fp32 logits (`mtp_logits`, the runtime's own
+    `out.mtp_logits`) —, L.backward() (the recorder's tensor hooks write the cotangents as they arrive), then every
+    parameter's gradient under its HF name. Returns the root attr `backward`. Gradients are released after (the
+    decode steps need none)."""
     lf = logits.float()  # the same tensor when the runtime already returns fp32 logits
     recorder.watch_logits(lf)
-    loss = next_token_ce(lf, input_ids)
+    main = next_token_ce(lf, input_ids)
+    loss, mtp = main, None
+    if opts.mtp_loss_scale is not None:
+        if not mtp_logits:
+            raise ParityError(f"--mtp-loss-scale: the {map_name} runtime's forward returned no mtp_logits")
+        mlf = mtp_logits[0].float()  # fp32 already (lm_head(...).float()): the same tensor
+        recorder.watch_mtp_logits(0, mlf)
+        mtp = mtp_ce(mlf, input_ids)
+        loss = main + opts.mtp_loss_scale * mtp  # the official forward's `loss += scaling_factor * mtp_loss`
     try:
         loss.backward()
         for hf_name, _p, g in hf_param_grads(model, map_name):
-            point = grad_point(hf_name, cfg.num_hidden_layers)
-            if point is not None and cap.wants(point.layer, point.site):
+            point = grad_point(hf_name, cfg.num_hidden_layers, mtp=mtp is not None)
+            layer = point.mtp + cfg.num_hidden_layers if isinstance(point, MtpPoint) else getattr(point, "layer", None)
+            if point is not None and cap.wants(layer, point.site):
                 sink(point, to_numpy(g), {"module": f"parameter {hf_name}", "io": "output", "shape_names": ""})
     finally:
         for p in model.parameters():
             p.grad = None
     B, T = input_ids.shape
     grad_dtype = "bfloat16" if DTYPES[opts.dtype] == torch.bfloat16 else "float32"
-    return loss_record(float(loss.detach()), B * (T - 1), grad_dtype, opts.stats_only)
+    mtp_rec = None if mtp is None else mtp_loss_record(opts.mtp_loss_scale, float(mtp.detach()),
+                                                       float(main.detach()), B * (T - 2))
+    return loss_record(float(main.detach()), B * (T - 1), grad_dtype, opts.stats_only, mtp_rec)
 
 
 def _snapshot(cap: Capture, sink, written: set, pkv, cfg, layers, phase, step, opts: DumpOptions) -> None:
