@@ -95,7 +95,8 @@ BEYOND_SLICE: dict[str, str] = {
     "tests/test_no_false_alarms.py::test_correct_target_passes_random_seed[12]": "seed 11",
     "tests/test_no_false_alarms.py::test_correct_target_passes_random_seed[13]": "seed 11",
     "tests/test_no_false_alarms.py::test_correct_target_passes_backward_points[14-bfloat16]":
-        "bf16 backward: the bundled bf16 goldens' backward points (pytest parity)",
+        "bf16 backward: the bundled bf16 goldens' backward points (pytest parity) and tests/test_backward_mutations.py's "
+        "clean baselines",
     # prefill split into pieces: each layer kind with one split and the decode split, both targets
     "tests/test_pieces.py::test_pieces_match_one_prefill[1-96+decode-portlike]": "1-96+decode-reference",
     "tests/test_pieces.py::test_pieces_match_one_prefill[3-64+36-reference]": "3-64+36-portlike",
@@ -206,9 +207,6 @@ BEYOND_SLICE: dict[str, str] = {
         "KDA core: kda_l2norm_missing",
     "tests/test_variants.py::test_planted_single_rounding_passes_as_variant_and_fails_strict":
         "tests/test_variants.py::test_variant_shadow_explains_only_what_the_variant_gives (the variant rule)",
-    "tests/test_calibration_pipeline.py::test_shipped_files_are_what_the_stored_measurements_give":
-        "tests/test_numerics_bounds.py::test_shipped_bounds_match_the_corpus_and_the_tool (the same check for the "
-        "bounds); tests/test_calibration_pipeline.py::test_run_plan_is_the_recorded_corpus",
     "tests/test_taps.py::test_portlike_broken_variant_fails_at_its_site[*]":
         "tests/test_gate_forms.py::test_a_reference_told_the_wrong_gate_form_fails_at_the_gate (the same softplus "
         "gate bug at its site)",
@@ -220,6 +218,22 @@ BEYOND_SLICE: dict[str, str] = {
     "tests/test_isolated_backward.py::test_isolated_mode_replays_every_backward_point_of_a_layer":
         "tests/test_parity_modes.py::test_bundled_dump_passes_in_isolated_mode[tiny-flash-bf16] (every layer's "
         "isolated backward points pass) and this file's bw_kda_gate_detached case (the rest of layer 0 passes)",
+    "tests/test_parity_modes.py::test_bundled_dump_passes_in_isolated_mode[tiny-flash-official-bf16]":
+        "tiny-flash-bf16 (the same shapes); the official runtime's dump in isolated mode: "
+        "tests/test_isolated_backward.py::test_points_isolated_mode_cannot_replay_are_skipped_saying_why",
+    "tests/test_no_false_alarms.py::test_correct_target_passes_backward_points[11-float32]":
+        "tests/test_backward_mutations.py's clean baselines (the correct reference replays each mutant's unit of the "
+        "goldens clean first); every golden backward point: README command one",
+    # fine mutants in fp32 isolated: these bugs are bf16 precision losses (each -bfloat16-isolated case pins it);
+    # mla_lora_norm_eps, a bug in fp32 too, keeps its fp32 isolated case
+    "tests/test_mutations.py::test_fine_mutation_detected_and_pinned[kda_gate_bf16-float32-isolated]":
+        "kda_gate_bf16-bfloat16-isolated; fp32: mla_lora_norm_eps-float32-isolated",
+    "tests/test_mutations.py::test_fine_mutation_detected_and_pinned[kda_beta_bf16-float32-isolated]":
+        "kda_beta_bf16-bfloat16-isolated; fp32: mla_lora_norm_eps-float32-isolated",
+    "tests/test_mutations.py::test_fine_mutation_detected_and_pinned[moe_combine_bf16-float32-isolated]":
+        "moe_combine_bf16-bfloat16-isolated; fp32: mla_lora_norm_eps-float32-isolated",
+    "tests/test_mutations.py::test_fine_mutation_detected_and_pinned[moe_router_bf16-float32-isolated]":
+        "moe_router_bf16-bfloat16-isolated; fp32: mla_lora_norm_eps-float32-isolated",
 }
 
 

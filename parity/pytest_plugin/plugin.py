@@ -136,6 +136,9 @@ class ParitySession:
         self.stalls: dict[tuple, str] = {}
         self.call_errors: dict[tuple, object] = {}  # replay unit -> the TargetCallError its replay raised
         self.call_errors_told: set[tuple] = set()  # units whose usage error a test has already reported
+        # runs (dump entries) with a backward point among the tests that will run (None: not yet known): a replay of
+        # a run without one skips the backward phase's work (`Session.backward_off`) — its points are never reported
+        self.backward_runs: set[str] | None = None
 
     def reader(self, entry: DumpEntry):
         from parity.dumpfile import DumpReader
@@ -220,6 +223,9 @@ class ParitySession:
             raise self.call_errors[key]
         if key not in self.replays:
             s = self.session(entry)
+            if self.backward_runs is not None and entry.run not in self.backward_runs:
+                s.backward_off = ("no backward point of this dump is among the tests this run runs (-k, -m, "
+                                  "--deselect or a skip mark): the backward phase is not computed")
             self.release_others(entry.run)
             try:
                 recs = [r.to_json() for r in (judge(s, observe_free(s)) if whole else unit_records(s, layer))]
@@ -438,6 +444,21 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "parity_points" in metafunc.fixturenames:
         metafunc.parametrize("parity_dump,parity_points,parity_layer", parity_params(metafunc.config))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Which runs have a backward point among the tests that will run (after -k / -m / --deselect, skip marks
+    counted): a run without one replays its units without the backward phase (a unit's replay computes every phase,
+    and only the points that run are reported). `pytest parity -k "not backward"` then costs a forward replay only."""
+    runs = set()
+    for item in session.items:
+        cs = getattr(item, "callspec", None)
+        group = cs.params.get("parity_points") if cs else None
+        if group is None or item.get_closest_marker("skip") is not None:
+            continue
+        if any(p[0] == "backward" for p in group.points):
+            runs.add(cs.params["parity_dump"].run)
+    _session(session.config).backward_runs = runs
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:

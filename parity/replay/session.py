@@ -95,6 +95,9 @@ class Session:
     # `--parity-matmul-precision` (None: the default policy, "highest"); every target call runs under the resolved
     # policy (`parity.replay.matmul_policy`), recorded in the report's `replay_env`
     matmul_precision: str | None = None
+    # a reason not to compute the backward phase (its points become skipped naming it), None: computed when the dump
+    # holds it. The pytest plugin sets it for a run none of whose backward points is among the tests that run.
+    backward_off: str | None = None
 
     def __post_init__(self) -> None:
         check_mode(self.mode, self.target)

@@ -318,6 +318,8 @@ def _backward_skipped(s: Session, i: int | None, why: str) -> Iterator[Observati
 
 
 def _backward_why_not(s: Session) -> str | None:
+    if s.backward_off:
+        return s.backward_off
     if "backward" not in s.target.capabilities:
         return f"target {s.target.name} lacks capability backward (it cannot run a layer's VJP)"
     return None
