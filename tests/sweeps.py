@@ -17,7 +17,7 @@ BEYOND_SLICE: dict[str, str] = {
         "RoPE: mla_decode_rope_position_zero",
     "tests/test_mutations.py::test_mutation_detected_and_localised[moe_no_group_limit]": "MoE router: moe_no_topk_renorm",
     "tests/test_mutations.py::test_mutation_detected_and_localised[moe_routed_scaling_twice]":
-        "MoE combine: moe_shared_expert_scaled",
+        "MoE: moe_no_topk_renorm",
     "tests/test_mutations.py::test_mutation_detected_and_localised[moe_expert_bias_in_weights]":
         "MoE router: moe_no_topk_renorm",
     "tests/test_mutations.py::test_mutation_detected_and_localised[mla_gate_no_sigmoid]": "MLA gate: mla_gate_missing",
@@ -36,7 +36,8 @@ BEYOND_SLICE: dict[str, str] = {
     "tests/test_backward_e2e.py::test_backward_mutant_forward_identical_and_pinned[*]":
         "tests/test_backward_mutations.py::test_backward_mutant_pinned_on_golden (every mutant, both dtypes)",
     "tests/test_backward_e2e.py::test_grads_dump_replays_clean[bfloat16]":
-        "bf16 backward replay: the bundled tiny-flash-bf16 golden's backward points (pytest parity)",
+        "bf16 backward replay: the bundled tiny-flash-bf16 golden's backward points (pytest parity) and "
+        "tests/test_mtp_backward.py::test_mtp_backward_replays_clean[bfloat16]",
     # twin vs the built-in's gradients (each built-in run is computed on first use): fp64 keeps each preset once and
     # each KDA path once (tiny chunked, tiny-flash recurrent); fp32 keeps tiny-flash chunked, whose runs the
     # backward-only-bug detection cases share
@@ -102,8 +103,8 @@ BEYOND_SLICE: dict[str, str] = {
     "tests/test_pieces.py::test_pieces_match_one_prefill[3-64+36-reference]": "3-64+36-portlike",
     "tests/test_pieces.py::test_pieces_match_one_prefill[3-97+decode-portlike]": "3-97+decode-reference",
     # ---- the second round of issue 35 (README command two <= 15 min alone on 2 cores, cold JAX cache) ----
-    # .ci/run runs every case below after README command two (LING3_FULL_SWEEP=1 ... -m full_sweep), so CI still
-    # gates on all of them; seconds are this VM's cold-run worker seconds (docs/performance.md "Test suite time").
+    # `LING3_FULL_SWEEP=1 python3 -m pytest -q -n 2 -m full_sweep` runs every case below (docs/performance.md "Test
+    # suite time": not yet in .ci/run, see there why); seconds are this VM's cold-run worker seconds.
     # backward mutants: all eight stay in bf16, where their margins are thinnest (docs/numerics.md's table); fp32 ~94 s
     "tests/test_backward_mutations.py::test_backward_mutant_pinned_on_golden[*-float32]":
         "the same mutant's -bfloat16 case (the thinner margins)",
@@ -194,7 +195,7 @@ BEYOND_SLICE: dict[str, str] = {
     # backward mutants in bf16: one per part of the backward stays (the KDA gate, the thinnest margin; the MLA head
     # gate; the router weights; the embedding gradient)
     "tests/test_backward_mutations.py::test_backward_mutant_pinned_on_golden[bw_shared_expert_grad_twice-bfloat16]":
-        "bw_router_weight_detached-bfloat16 (the MoE backward)",
+        "the MoE backward: tests/test_jax_moe_vjp.py (shown to fail for a broken VJP)",
     "tests/test_backward_mutations.py::test_backward_mutant_pinned_on_golden[bw_kda_beta_detached-bfloat16]":
         "bw_kda_gate_detached-bfloat16 (the KDA backward, the thinnest margin)",
     "tests/test_backward_mutations.py::test_backward_mutant_pinned_on_golden[bw_kda_chunk_vjp_dg_sign-bfloat16]":
@@ -234,6 +235,20 @@ BEYOND_SLICE: dict[str, str] = {
         "moe_combine_bf16-bfloat16-isolated; fp32: mla_lora_norm_eps-float32-isolated",
     "tests/test_mutations.py::test_fine_mutation_detected_and_pinned[moe_router_bf16-float32-isolated]":
         "moe_router_bf16-bfloat16-isolated; fp32: mla_lora_norm_eps-float32-isolated",
+    # ---- round three ----
+    "tests/test_mtp_backward.py::test_planted_mtp_backward_bug_is_caught[reference+mtp-scale-ignored-bfloat16]":
+        "the mtp-hidden-detached and mtp-share-ignored bf16 cases",
+    "tests/test_mtp_backward.py::test_mtp_backward_replays_clean[float32]": "the bfloat16 case",
+    "tests/test_mtp_semantics_replay.py::test_a_target_without_mtp_skips_the_mtp_points_saying_so":
+        "tests/test_mtp_backward.py::test_a_target_without_the_mtp_backward_skips_its_points_saying_so (MTP points "
+        "skipped naming the missing method)",
+    "tests/test_backward_mutations.py::test_backward_mutant_pinned_on_golden[bw_router_weight_detached-bfloat16]":
+        "tests/test_jax_moe_vjp.py (the routed experts' VJP vs plain AD, shown to fail for a broken VJP)",
+    "tests/test_backward_e2e.py::test_grads_dump_replays_clean[float32]":
+        "tests/test_backward_mutations.py's clean baselines (the correct reference replays the goldens' units clean) "
+        "and tests/test_mtp_backward.py (a fresh --grads dump replayed clean)",
+    "tests/test_mutations.py::test_mutation_detected_and_localised[moe_shared_expert_scaled]":
+        "MoE: moe_no_topk_renorm",
 }
 
 

@@ -60,7 +60,23 @@ def test_point_group_reads_dump_and_layer_from_the_id():
     assert point_group(f"{f}[a.b-c/model/logits]") == "parity:a.b-c:model"
     assert point_group(f"{f}[tiny-bf16/isolated/layer_2/mlp]") == "parity:tiny-bf16/isolated:layer_2"  # with a mode
     assert point_group(f"{f}[tiny-bf16/MTP0/eh_proj]") == "parity:tiny-bf16:MTP0"
+    # a layer's backward points share its group (one replay of the unit serves both phases)
+    assert point_group(f"{f}[tiny-bf16/backward/layer_3/input]") == "parity:tiny-bf16:layer_3"
+    assert point_group(f"{f}[tiny-bf16/isolated/backward/layer_2/mlp]") == "parity:tiny-bf16/isolated:layer_2"
+    assert point_group(f"{f}[tiny-bf16/backward/MTP0/logits]") == "parity:tiny-bf16:MTP0"
+    assert point_group(f"{f}[tiny-bf16/backward/model/embed]") == "parity:tiny-bf16:model"
     # other tests, and a dump that could not be read, are their own units
     assert point_group(f"{f}[tiny-bf16/unreadable]") is None
     assert point_group("tests/test_x.py::test_point[tiny/prefill/layer_3]") is None
     assert point_group("tests/test_x.py::test_other[tiny/prefill/layer_3/core]") is None
+
+
+def test_file_grouping_of_other_tests_is_the_ini_options():
+    from parity.pytest_plugin.xdist_groups import ParityGroupScheduling
+
+    sched = object.__new__(ParityGroupScheduling)  # _split_scope reads nothing else of the scheduler
+    point = "parity/test_points.py::test_point[tiny-bf16/layer_3/attention.core]"
+    for on, other in ((False, "tests/test_x.py::test_a[1]"), (True, "tests/test_x.py")):
+        sched._group_files = on
+        assert sched._split_scope("tests/test_x.py::test_a[1]") == other
+        assert sched._split_scope(point) == "parity:tiny-bf16:layer_3"

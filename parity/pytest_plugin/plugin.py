@@ -25,6 +25,9 @@ DEFAULT_MODES = "layer"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini("parity_xdist_group_files", type="bool", default=False,
+                  help="with -n: schedule the tests that are not parity points one test file per worker (as --dist "
+                       "loadfile), parity points per (dump, layer) as always")
     g = parser.getgroup("parity", "ling3-parity replay")
     g.addoption("--parity-dump", action="append", default=None,
                 help="dump file(s) to replay (default: the bundled dumps in dumps/)")

@@ -21,17 +21,32 @@ _POINT_ID = re.compile(r"::test_point\[(?P<dump>.+)/(?P<layer>layer_\d+|model|MT
 
 
 def point_group(nodeid: str) -> str | None:
-    """The (dump, layer) group of a parity point's node id, None for any other test."""
+    """The (dump, layer) group of a parity point's node id, None for any other test. A layer's backward points
+    (`<run>/backward/<layer>/<site>`) are in its group: one replay of the unit serves both phases, so a worker that got
+    only one of them would replay the whole unit again."""
     m = _POINT_ID.search(nodeid)
-    return f"parity:{m['dump']}:{m['layer']}" if m else None
+    if not m:
+        return None
+    run = m["dump"].removesuffix("/backward")
+    return f"parity:{run}:{m['layer']}"
 
 
 class ParityGroupScheduling(LoadGroupScheduling):
     """xdist's loadgroup (an `@group` suffix still groups, where pytest keeps it), plus parity points grouped per
-    (dump, layer) from their ids; every other test is its own unit, spread over the workers as loadgroup does."""
+    (dump, layer) from their ids; every other test is its own unit, spread over the workers as loadgroup does — or,
+    with the ini option `parity_xdist_group_files = true`, grouped per test file (as `--dist loadfile`): a file's
+    tests then share one worker's module fixtures and compiled programs instead of both workers building them
+    (this repository's own suite sets it: issue 35, README command two's time)."""
+
+    def __init__(self, config, log=None) -> None:
+        super().__init__(config, log)
+        self._group_files = bool(config.getini("parity_xdist_group_files"))
 
     def _split_scope(self, nodeid: str) -> str:
         scope = super()._split_scope(nodeid)
         if scope != nodeid:
             return scope
-        return point_group(nodeid) or nodeid
+        group = point_group(nodeid)
+        if group is not None:
+            return group
+        return nodeid.split("::", 1)[0] if self._group_files else nodeid
