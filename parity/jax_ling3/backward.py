@@ -53,8 +53,13 @@ def make_layer_backward_jit(layer_fn):
 def next_token_loss(logits: jnp.ndarray, ids: jnp.ndarray) -> jnp.ndarray:
     """The recorded loss: mean over the B·(T-1) positions t = 0..T-2 of CE(logits[b,t] in fp32, ids[b,t+1]),
     natural log (backward contract)."""
-    lg = logits[:, :-1].astype(F32)
-    tgt = ids[:, 1:]
+    return _shifted_ce(logits, ids, 1)
+
+
+def _shifted_ce(logits: jnp.ndarray, ids: jnp.ndarray, shift: int) -> jnp.ndarray:
+    """Mean over positions t = 0..T-1-shift of CE(logits[b,t] in fp32, ids[b,t+shift]), natural log."""
+    lg = logits[:, :-shift].astype(F32)
+    tgt = ids[:, shift:]
     lse = jax.nn.logsumexp(lg, axis=-1)
     picked = jnp.take_along_axis(lg, tgt[..., None], axis=-1)[..., 0]
     return jnp.mean(lse - picked)
@@ -115,11 +120,7 @@ def mtp_token_loss(logits: jnp.ndarray, ids: jnp.ndarray) -> jnp.ndarray:
     CE(mtp_logits[b,t] in fp32, ids[b,t+2]), natural log. Why t+2: the MTP layer at t reads token t+1 and the main
     state at t (facts §2), and the official loss scores it against labels shifted twice (once by its own roll, once
     by transformers' causal-LM loss; parity.torch_ref.backward.MTP_LOSS_DEFINITION)."""
-    lg = logits[:, :-2].astype(F32)
-    tgt = ids[:, 2:]
-    lse = jax.nn.logsumexp(lg, axis=-1)
-    picked = jnp.take_along_axis(lg, tgt[..., None], axis=-1)[..., 0]
-    return jnp.mean(lse - picked)
+    return _shifted_ce(logits, ids, 2)
 
 
 @jax.jit
