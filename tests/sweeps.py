@@ -186,13 +186,12 @@ BEYOND_SLICE: dict[str, str] = {
     "tests/test_no_false_alarms.py::test_*sweep_detects_a_broken_subject":
         "tests/test_no_false_alarms.py (the kept seeds); these check the full sweep itself",
     # ---- round two: what the estimate from the cold profile still needed ----
-    # the fp32 golden's backward points (~70 worker-seconds of cold layer-VJP compiles; with none of a dump's
-    # backward points running, its backward is not computed at all): README command one (`pytest parity`) replays
-    # them; the bf16 goldens' backward points (twin and official runtime) stay, and an fp32 --grads dump of the same
-    # preset is replayed clean by tests/test_official_backward.py[tiny-100-float32]
-    "parity/test_points.py::test_point[tiny-fp32/backward/*]":
-        "the bf16 goldens' backward points; fp32: tests/test_official_backward.py::"
-        "test_official_grads_dump_replays_clean[tiny-100-float32]; README command one replays these",
+    # the bundled goldens' backward points (~170 worker-seconds of cold layer-VJP compiles): README command one
+    # (`pytest parity`) replays them, and so does CI (.ci/run's full-sweep part); the forward points stay here, and
+    # the backward phase's own tests (test_backward_replay, test_backward_mutations, test_isolated_backward,
+    # test_parity_modes' isolated tiny-flash-bf16) replay golden backward points in this slice
+    "parity/test_points.py::test_point[*/backward/*]":
+        "README command one and CI replay them; the forward points stay; backward: tests/test_backward_mutations.py",
     # backward mutants in bf16: one per part of the backward stays (the KDA gate, the thinnest margin; the MLA head
     # gate; the router weights; the embedding gradient)
     "tests/test_backward_mutations.py::test_backward_mutant_pinned_on_golden[bw_shared_expert_grad_twice-bfloat16]":
