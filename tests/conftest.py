@@ -52,6 +52,16 @@ def pytest_collection_modifyitems(config, items):
                                                 f"runs it; kept instead: {why or 'see the test'})"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs_near_the_map_limit():
+    """After each test file: an xdist worker that compiled thousands of programs nears Linux's limit on memory
+    mappings, and XLA's next compilation then segfaults (parity/memory_maps.py); drop jax's compiled programs first."""
+    yield
+    from parity.memory_maps import release_if_near_limit
+
+    release_if_near_limit()
+
+
 @pytest.fixture(scope="session")
 def tiny_flash_fp32_ckpt(tmp_path_factory) -> Path:
     """Flash-shaped tiny checkpoint (no q-LoRA, ragged MLA tail, clamp lists) stored in fp32, seed 0, 3+ shards."""

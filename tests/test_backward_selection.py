@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 DUMP = ROOT / "dumps" / "tiny-fp32.h5"  # a --grads golden: it holds the backward phase
 
@@ -50,3 +52,24 @@ def test_a_selected_backward_point_makes_the_backward_calls(tmp_path):
     r = _run(tmp_path, "layer_0")  # forward and backward points of layer 0
     assert r.returncode == 1, r.stdout[-3000:]
     assert "a backward method was called" in r.stdout, r.stdout[-3000:]
+
+
+def test_run_replay_without_backward_makes_no_backward_call_and_says_why(tmp_path, monkeypatch):
+    """`run_replay(..., backward=False)`: the same target, programmatically — its backward points are reported
+    skipped naming why, and no backward method is called (the forward-only replay passes); with backward (the
+    default) the raising method is reached (the check can fail)."""
+    import importlib
+
+    from parity.errors import TargetCallError
+    from parity.replay import run_replay
+
+    (tmp_path / "nobackward.py").write_text(TARGET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    target = importlib.import_module("nobackward").NoBackward
+    rep = run_replay(DUMP, target=target, layers=[0], backward=False)
+    bw = [p for p in rep["points"] if p["phase"] == "backward"]
+    assert rep["passed"] and bw, rep["counts"]
+    assert all(p["status"] == "skipped" and "run_replay(backward=False)" in p["reason"] for p in bw), bw[:2]
+    with pytest.raises(TargetCallError, match="layer 0 backward: target call layer_backward raised RuntimeError: a "
+                                              "backward method was called"):
+        run_replay(DUMP, target=target, layers=[0])

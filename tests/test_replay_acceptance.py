@@ -42,7 +42,7 @@ def test_edited_site_is_the_first_divergence_and_its_source(dump, factor, tmp_pa
     ill-conditioned rows) — 6-12 % of the row's scale — so a 3 % edit is below the resolution of bf16 layer mode and
     the bf16 case edits 15 %; `--parity-mode isolated` is the finer instrument there."""
     layers = [0, 1, 2, 3]
-    clean = run_replay(DUMPS / dump, layers=layers)
+    clean = run_replay(DUMPS / dump, layers=layers, backward=False)  # a forward edit: the forward's verdicts
     assert clean["passed"], clean["first_divergence"]
     edited = tmp_path / dump
     shutil.copy(DUMPS / dump, edited)
@@ -53,7 +53,7 @@ def test_edited_site_is_the_first_divergence_and_its_source(dump, factor, tmp_pa
         return a
 
     _edit(edited, "/prefill/L02/attention.o_proj", bump)
-    rep = run_replay(edited, layers=layers)
+    rep = run_replay(edited, layers=layers, backward=False)
     fd = rep["first_divergence"]
     assert not rep["passed"]
     assert (fd["phase"], fd["step"], fd["layer"], fd["site"]) == ("prefill", 0, 2, "attention.o_proj"), fd

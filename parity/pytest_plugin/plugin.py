@@ -205,7 +205,12 @@ class ParitySession:
 
     def release_others(self, run: str) -> None:
         """Release the weights of every other dump's target before this one replays, so a run over several large
-        dumps holds one dump's globals (embedding, LM head) at a time; a dump met again reloads them."""
+        dumps holds one dump's globals (embedding, LM head) at a time; a dump met again reloads them. A process near
+        the kernel's limit on memory mappings drops jax's compiled programs first (`parity.memory_maps`: past the
+        limit, XLA's next compilation segfaults)."""
+        from parity.memory_maps import release_if_near_limit
+
+        release_if_near_limit()
         for other, s in self.sessions.items():
             if other != run and hasattr(s.target, "release"):
                 s.target.release()

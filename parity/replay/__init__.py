@@ -50,7 +50,7 @@ def unit_records(session: Session, unit) -> list[PointRecord]:
 def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", rules=None,
                layers=None, progress: Callable[[str], None] | None = None, mesh=None,
                stall_timeout: float | None = None, semantics: str = "dump", strict_variants: bool = False,
-               matmul_precision: str | None = None) -> dict:
+               matmul_precision: str | None = None, backward: bool = True) -> dict:
     """Programmatic replay of a whole dump: returns the report dict (`parity.reporting.report.build_report`).
 
     ckpt_dir defaults to the bundled checkpoint with the dump's fingerprint; target defaults to the reference target
@@ -61,7 +61,9 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
     follows (parity/model/semantics.py); strict_variants (`--parity-strict-variants`) fails a point that matches a named
     implementation variant (parity.numerics.variants) instead of reporting it as `variant`; matmul_precision
     (`--parity-matmul-precision`, None: the default "highest") is the policy every target call runs under
-    (parity.replay.matmul_policy). `pytest parity` does the same thing point by point.
+    (parity.replay.matmul_policy); backward False leaves a `--grads` dump's backward phase uncomputed (its points are
+    reported skipped, saying so: `Session.backward_off`), as `pytest parity -k "not backward"` does. `pytest parity`
+    does the same thing point by point.
     """
     from parity.replay.watchdog import DEFAULT_LIMIT_S, Watchdog
 
@@ -74,6 +76,8 @@ def run_replay(dump_path, ckpt_dir=None, *, target=None, mode: str = "layer", ru
         with Session.open(dump_path, ckpt_dir, target=target, mode=mode, rules=rules, mesh=mesh,
                           layers=None if layers is None else list(layers), watchdog=wd, semantics=semantics,
                           strict_variants=strict_variants, matmul_precision=matmul_precision) as s:
+            if not backward:
+                s.backward_off = "not asked for (run_replay(backward=False)): the backward phase is not computed"
             records = [r.to_json() for r in replay_records(s, layers, progress)]
             from parity.targets.base import mark_provenance
 
