@@ -9,7 +9,7 @@ built-in upcasts to fp32 in places — `.float()`, `dtype=torch.float32` — and
 in it is fp32): error = ‖out − out₆₄‖ / ‖out₆₄ − in‖ (relative to the layer's own update), and the JAX fp32 error
 must be within `KIMI_LAYER_FP32_NOISE_MULTIPLE` × the built-in's own fp32 error (its noise floor) — bf16 likewise
 with `KIMI_LAYER_BF16_NOISE_MULTIPLE`. Each planted porting bug (`MUTANTS`) must push every layer it touches past
-the bound. On CPU without fla's Triton kernels the built-in runs its own torch KDA (`chunk_kimi_delta_attention`);
+the bound (checked on the first layer each touches). On CPU without fla's Triton kernels the built-in runs its own torch KDA (`chunk_kimi_delta_attention`);
 that is checked against fla's `naive_recurrent_kda` in float64 here too.
 """
 
@@ -32,7 +32,7 @@ from parity.errors import CheckpointError, ConfigError
 from parity.jax_kimi import kda as kimi_kda
 from parity.jax_kimi import mla as kimi_mla
 from parity.jax_kimi import moe as kimi_moe
-from parity.jax_kimi.layer import decoder_layer_jit
+from parity.jax_kimi.layer import decoder_layer, decoder_layer_jit
 from parity.jax_kimi.spec import layer_spec
 from parity.jax_kimi.weights import layer_params
 from parity.jax_ling3.kda import kda_chunked
@@ -156,20 +156,25 @@ def _update_err(out, ref, x) -> float:
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref - x))
 
 
-def _jax_layer(b, i: int, dtype: str, state_dict=None, x=None):
+def _jax_layer(b, i: int, dtype: str, state_dict=None, x=None, jit: bool = False):
+    """The JAX layer i on the built-in's captured input. Eager by default: op-by-op dispatch reuses the primitives
+    compiled for earlier layers and planted bugs, where a jitted layer is compiled whole each time (cold, 2-12 s
+    per layer here); with excess precision off (tests/conftest.py) both round alike. `jit` runs the jitted form."""
     cfg = b["cfg"]
     spec = layer_spec(cfg, i, dtype)
     p = layer_params(state_dict if state_dict is not None else b["model"].state_dict(), i, spec)
     x = b["layers32"][i][0] if x is None else x
     xj = jnp.asarray(x.float().numpy(), spec.model.jdtype)
-    return decoder_layer_jit()(p, xj, spec)
+    return (decoder_layer_jit() if jit else decoder_layer)(p, xj, spec)
 
 
-def _ratio(b, i: int) -> tuple[float, float, float]:
-    """(JAX fp32 error, built-in fp32 error, their ratio) of layer i against the float64 built-in."""
+def _ratio(b, i: int, out=None) -> tuple[float, float, float]:
+    """(JAX fp32 error, built-in fp32 error, their ratio) of layer i against the float64 built-in; `out`: the JAX
+    output if already computed."""
     x, out32 = b["layers32"][i]
     ref = _ref64(b, "float32")[0][i][1]
-    out, _ = _jax_layer(b, i, "float32")
+    if out is None:
+        out, _ = _jax_layer(b, i, "float32")
     ej, eb = _update_err(out, ref, x), _update_err(out32, ref, x)
     assert eb > 0, f"layer {i}: the fp32 built-in equals the float64 one exactly: no noise floor to compare with"
     return ej, eb, ej / eb
@@ -183,15 +188,24 @@ def test_spec_reads_the_layer_kinds(builtin):
 @pytest.mark.parametrize("i", range(4), ids=[f"layer_{i}_{k}_{'moe' if m else 'dense'}"
                                              for i, (k, m) in enumerate(KINDS)])
 def test_layer_fp32_matches_the_builtin(builtin, i):
-    ej, eb, r = _ratio(builtin, i)
+    out, pts = _jax_layer(builtin, i, "float32")
+    ej, eb, r = _ratio(builtin, i, out)
     print(f"layer {i} {KINDS[i]}: JAX fp32 error {ej:.2e}, built-in fp32 error {eb:.2e} (vs float64), ratio {r:.2f}")
     assert r <= KIMI_LAYER_FP32_NOISE_MULTIPLE, (
         f"layer {i}: JAX fp32 error {ej:.2e} is {r:.1f}x the built-in's own fp32 error {eb:.2e} "
         f"(bound {float(KIMI_LAYER_FP32_NOISE_MULTIPLE):g}x)")
     if KINDS[i][1]:  # the same experts per token as the built-in's router
-        _, pts = _jax_layer(builtin, i, "float32")
         want = torch.sort(builtin["routers32"][i][2], dim=-1).values.numpy()
         np.testing.assert_array_equal(np.asarray(pts["mlp.gate.topk_idx"]).reshape(want.shape), want)
+
+
+def test_jitted_layer_matches_the_builtin(builtin):
+    """The jitted form (`decoder_layer_jit`, the reference's XLA options) of the KDA + MoE layer, held to the same
+    bound (one layer: a jitted layer compiles whole, 12 s cold here)."""
+    out, _ = _jax_layer(builtin, 2, "float32", jit=True)
+    ej, eb, r = _ratio(builtin, 2, out)
+    print(f"layer 2 jitted: JAX fp32 error {ej:.2e}, built-in fp32 error {eb:.2e}, ratio {r:.2f}")
+    assert r <= KIMI_LAYER_FP32_NOISE_MULTIPLE
 
 
 # ------------------------------------------------------------------------------------------ planted porting bugs
@@ -252,11 +266,11 @@ def _touches(kind: str, i: int) -> bool:
 def test_planted_bug_is_detected(builtin, monkeypatch, name):
     module, attr, bad, kind = MUTANTS[name]
     monkeypatch.setattr(module, attr, bad)
-    for i in (i for i in range(4) if _touches(kind, i)):
-        ej, eb, r = _ratio(builtin, i)
-        print(f"{name}: layer {i}: JAX fp32 error {ej:.2e}, built-in's {eb:.2e}, ratio {r:.3g}")
-        assert r > KIMI_LAYER_FP32_NOISE_MULTIPLE, (
-            f"{name}: layer {i} passes (ratio {r:.2f}): the comparison does not see this bug")
+    i = next(i for i in range(4) if _touches(kind, i))  # the first layer it touches (one is enough: seconds)
+    ej, eb, r = _ratio(builtin, i)
+    print(f"{name}: layer {i}: JAX fp32 error {ej:.2e}, built-in's {eb:.2e}, ratio {r:.3g}")
+    assert r > KIMI_LAYER_FP32_NOISE_MULTIPLE, (
+        f"{name}: layer {i} passes (ratio {r:.2f}): the comparison does not see this bug")
 
 
 # ------------------------------------------------------------------------------------------ bf16
