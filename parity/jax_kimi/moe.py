@@ -37,9 +37,9 @@ def routing_weights(logits: jnp.ndarray, idx: jnp.ndarray, m: KimiModelSpec) -> 
 def route(x: jnp.ndarray, p: dict, m: KimiModelSpec):
     """(logits fp32 [N,E], ids int32 [N,k] ascending per token, weights fp32 [N,k] permuted alike) for x [N,D]."""
     logits = router_logits(x, p["router"])
-    idx = select_experts(logits, p["expert_bias"], m)  # reads num_experts, n_group, topk_group, top_k (same names)
-    order = jnp.argsort(idx, axis=-1)  # ascending expert id: the built-in's accumulation order
-    idx = jnp.take_along_axis(idx, order, -1)
+    # reads num_experts, n_group, topk_group, top_k (the same names as Ling3's ModelSpec); sorted: ascending expert
+    # id is the built-in's accumulation order (and the dumps' canonical top-k order, DESIGN §4)
+    idx = jnp.sort(select_experts(logits, p["expert_bias"], m), axis=-1)
     return logits, idx, routing_weights(logits, idx, m)
 
 
