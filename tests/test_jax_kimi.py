@@ -12,8 +12,12 @@ with `KIMI_LAYER_BF16_NOISE_MULTIPLE`. Each planted porting bug (`MUTANTS`) must
 the bound (the issue's three KDA ones in bf16 too). On CPU without fla's Triton kernels the built-in runs its own
 torch KDA (`chunk_kimi_delta_attention`); that is checked against fla's `naive_recurrent_kda` in float64 here too.
 
-Measured (2-core Xeon, AVX-512, 2026-11-28; tests/bounds.py): fp32 error ratios 0.53-0.92 (JAX 2.9e-7..5.7e-7 of
-the layer update), bf16 0.98-1.03, planted bugs >= 1.1e5; docs/kimi_linear.md has the table.
+Also: one KDA decode step through the built-in's cache (layer 0), the q-LoRA MLA branch, the router alone, config
+validation and weight-name errors.
+
+Measured (2-core Xeon, AVX-512, 2026-11-28, also with the AVX2 caps; tests/bounds.py): fp32 error ratios 0.53-0.98
+(JAX 2.8e-7..5.7e-7 of the layer update), KDA decode 0.83, bf16 0.97-1.03, planted bugs >= 1.1e5 in fp32 and
+9.0-112 in bf16; docs/kimi_linear.md has the table.
 """
 
 from __future__ import annotations
@@ -241,6 +245,54 @@ def test_mla_with_q_lora_matches_the_builtin():
     ej, eb = _update_err(out, ref, x), _update_err(out32, ref, x)
     print(f"MLA q-LoRA layer: JAX fp32 error {ej:.2e}, built-in fp32 error {eb:.2e}, ratio {ej / eb:.2f}")
     assert ej / eb <= KIMI_LAYER_FP32_NOISE_MULTIPLE
+
+
+def _no_conv_history(x, w, cache=None):
+    """A decode that drops the short conv's history (the conv cache not carried over)."""
+    return _ORIG_SHORT_CONV(x, w, None)
+
+
+_ORIG_SHORT_CONV = kimi_kda.short_conv
+
+
+@pytest.mark.parametrize("bug", [None, "conv_history_dropped"])
+def test_kda_decode_step_matches_the_builtin(builtin, monkeypatch, bug):
+    """Prefill 70 tokens, then one decode token through the built-in's cache (`recurrent_kimi_delta_attention`,
+    `causal_conv1d_update`) vs the JAX layer continuing from its own prefill state. Layer 0 (KDA + dense): its input
+    is the embedding, the same in the fp32 and the float64 runs, so no teacher forcing is needed. A decode that drops
+    the conv history must fail."""
+    import contextlib
+
+    b = builtin
+    ids = torch.cat([b["ids"], torch.tensor([[5]])], dim=1)  # not-a-bound: a token id
+
+    def run(model, fp64):
+        cap = []
+        h = model.model.layers[0].register_forward_hook(
+            lambda mod, args, kwargs, out: cap.append((args[0].clone(), out.clone())), with_kwargs=True)
+        try:
+            with torch.no_grad(), (_Fp64() if fp64 else contextlib.nullcontext()):
+                o = model(ids[:, :T], use_cache=True)
+                model(ids[:, T:], past_key_values=o.past_key_values, use_cache=True)
+        finally:
+            h.remove()
+        return cap
+
+    c32, c64 = run(b["model"], False), run(b["model64_32"], True)
+    spec = layer_spec(b["cfg"], 0, "float32")
+    p = layer_params(b["model"].state_dict(), 0, spec)
+    _, pts = decoder_layer(p, jnp.asarray(c32[0][0].numpy()), spec)
+    state = (pts["self_attn.recurrent_state"], pts["self_attn.conv_state"])
+    if bug:
+        monkeypatch.setattr(kimi_kda, "short_conv", _no_conv_history)
+    out, _ = decoder_layer(p, jnp.asarray(c32[1][0].numpy()), spec, state)
+    x, ref = c32[1][0], c64[1][1]
+    ej, eb = _update_err(out, ref, x), _update_err(c32[1][1], ref, x)
+    print(f"KDA decode step ({bug or 'correct'}): JAX fp32 error {ej:.2e}, built-in {eb:.2e}, ratio {ej / eb:.3g}")
+    if bug:
+        assert ej / eb > KIMI_LAYER_FP32_NOISE_MULTIPLE
+    else:
+        assert ej / eb <= KIMI_LAYER_FP32_NOISE_MULTIPLE
 
 
 # ------------------------------------------------------------------------------------------ planted porting bugs

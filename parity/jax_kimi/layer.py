@@ -14,15 +14,20 @@ from parity.jax_kimi import kda, mla, moe
 from parity.jax_kimi.spec import KimiLayerSpec
 
 
-def decoder_layer(p: dict, h: jnp.ndarray, spec: KimiLayerSpec):
-    """One decoder layer on the residual stream h [B,T,D] (a prefill from the start of the sequence).
-    Returns (out [B,T,D], points {name: array}); point names are the built-in's module names relative to the layer
-    (`self_attn`, `self_attn.forget_gate`, `mlp.gate.topk_idx`, …)."""
+def decoder_layer(p: dict, h: jnp.ndarray, spec: KimiLayerSpec, state: tuple | None = None):
+    """One decoder layer on the residual stream h [B,T,D]. Returns (out [B,T,D], points {name: array}); point names
+    are the built-in's module names relative to the layer (`self_attn`, `self_attn.forget_gate`,
+    `mlp.gate.topk_idx`, …). A KDA layer also returns its state as points `self_attn.recurrent_state` and
+    `self_attn.conv_state`; `state` = that pair continues the sequence (decode). MLA layers run from the start of the
+    sequence only (no latent cache yet)."""
     m = spec.model
     pts: dict[str, jnp.ndarray] = {"input": h}
     x = pts["input_layernorm"] = rms_norm(h, p["input_layernorm"], m.eps)
     if spec.kind == "kda":
-        a, apts, _ = kda.kda_attention(p["self_attn"], x, spec)
+        a, apts, (S, conv) = kda.kda_attention(p["self_attn"], x, spec, state)
+        apts["self_attn.recurrent_state"], apts["self_attn.conv_state"] = S, conv
+    elif state is not None:
+        raise ValueError("parity.jax_kimi: MLA layers have no cache yet (prefill from the sequence start only)")
     else:
         a, apts = mla.mla_attention(p["self_attn"], x, spec)
     pts.update(apts)
@@ -40,5 +45,5 @@ def decoder_layer_jit():
     """A freshly jitted `decoder_layer` (spec static) under the reference's XLA options (every bf16 rounding kept,
     `parity.jax_ling3.REFERENCE_COMPILER_OPTIONS`). Fresh per call, so a function patched in this package (a
     planted bug) is traced anew rather than served from an earlier trace."""
-    return jax.jit(lambda p, h, spec: decoder_layer(p, h, spec), static_argnames=("spec",),
+    return jax.jit(lambda p, h, spec, state=None: decoder_layer(p, h, spec, state), static_argnames=("spec",),
                    compiler_options=REFERENCE_COMPILER_OPTIONS)
