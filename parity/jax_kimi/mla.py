@@ -1,0 +1,41 @@
+"""Kimi Linear's full attention (`KimiLinearAttention`): DeepSeek-V2 multi-head latent attention "with NoPE".
+
+Read from the built-in: q = q_proj(x) (or q_b_proj(RMSNorm(q_a_proj(x))) with q_lora_rank), split per head into
+[nope | rope]; kv_a_proj_with_mqa(x) = [c | k_rot] with c normalised by kv_a_layernorm (eps 1e-6, the class default)
+and k_rot one shared head; kv_b_proj(c) = per-head [k_nope | v]. The "rope" dims get **no rotation at all**: the
+module takes no position embeddings and `KimiLinearModel` builds no rotary module; K = [k_nope | k_rot] per head,
+causal softmax at scale qk_head_dim^-1/2, then `o_proj`. Unlike Ling3's MLA (facts §4) there is no head gate
+(no g_proj) and the output projection is `o_proj`, not `dense`. The attention maths itself (scores in fp32 from the
+rounded product, softmax in fp32 cast back — the eager path) is Ling3's `mla._naive`, reused.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from parity.jax_ling3.mla import _naive as causal_attention  # same maths as the built-in's eager attention
+from parity.jax_ling3.norms import rms_norm
+from parity.jax_ling3.ops import linear
+from parity.jax_kimi.spec import MLA_NORM_EPS, KimiLayerSpec
+
+
+def mla_attention(p: dict, x: jnp.ndarray, spec: KimiLayerSpec):
+    """MLA block on the layer-normed x [B,T,D], causal over these T tokens. Returns (out [B,T,D], points)."""
+    m = spec.model
+    dt = x.dtype
+    B, T, _ = x.shape
+    H, n, r, vd, c = m.mla_heads, m.qk_nope, m.qk_rope, m.v_head_dim, m.kv_lora_rank
+    if m.q_lora_rank is None:
+        q = linear(x, p["q_proj"])
+    else:
+        q = linear(rms_norm(linear(x, p["q_a_proj"]), p["q_a_layernorm"], MLA_NORM_EPS), p["q_b_proj"])
+    q = q.reshape(B, T, H, n + r)
+    kv_a = linear(x, p["kv_a_proj_with_mqa"])
+    c_kv = rms_norm(kv_a[..., :c], p["kv_a_layernorm"], MLA_NORM_EPS)
+    k_rot = kv_a[..., c:]  # [B,T,r]: shared by all heads, not rotated (NoPE)
+    kv = linear(c_kv, p["kv_b_proj"]).reshape(B, T, H, n + vd)
+    allowed = jnp.tril(jnp.ones((T, T), bool))
+    core = causal_attention(q[..., :n], q[..., n:], kv[..., :n], kv[..., n:], k_rot, allowed, m.attn_scale, dt)
+    core = core.reshape(B, T, H * vd)
+    out = linear(core, p["o_proj"])
+    return out, {"self_attn.core": core}
