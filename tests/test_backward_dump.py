@@ -4,7 +4,7 @@
     built-in `bailing_hybrid` (an independently written Ling 3 port), same loss and input, for every weight of every
     layer of the bundled checkpoints `dumps/ckpt/tiny` and `dumps/ckpt/tiny-flash`, and the loss itself.
     rel = max|twin − built-in| / max|built-in| per tensor (max-abs relative).
-    The maths are compared in fp64 (`_Fp64`: every fp32 upcast / dtype=float32 of both codes made float64): rel ≤
+    The maths are compared in fp64 (`Float64Mode`: every fp32 upcast / dtype=float32 of both codes made float64): rel ≤
     1e-10 (measured ≤ 3.3e-13). The issue's fp32 bound (rel ≤ 1e-5) is below fp32's own noise here: two fp32
     evaluations of the same twin maths (stand-ins vs the twin's pure-torch KDA) differ by up to 1.9e-4 max-rel
     (6.8e-5 L2-rel) on tiny T=40, and the twin vs the built-in by 2.5e-4 — while in fp64 they agree to 1e-13. So in
@@ -34,8 +34,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from contextlib import nullcontext
-from torch.overrides import TorchFunctionMode
 
+from parity.torch_ref.fp64 import Float64Mode
 from parity.dumpfile import DumpReader, validate_dump
 from parity.model.points import Point
 from parity.torch_ref.backward import NO_COTANGENT, native_to_hf
@@ -49,28 +49,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CKPT = ROOT / "dumps" / "ckpt"
 REL_TOL_FP64 = FP64_SAME_MATHS_REL  # fp64 evaluation of both codes: the maths must agree to ~fp64 rounding
 FP32_NOISE_FACTOR = TWIN_GRAD_FP32_NOISE_MULTIPLE  # twin's fp32 error vs the fp64 built-in's own (module doc)
-
-
-class _Fp64(TorchFunctionMode):
-    """Evaluate a model in float64 although its code upcasts to fp32: Tensor.float() and every dtype=float32 argument
-    become float64, the default dtype float64 (masks built with torch.full). Load the model, then `.double()` it."""
-
-    def __enter__(self):
-        self._old = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.set_default_dtype(self._old)
-        return super().__exit__(*exc)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.float:
-            return args[0].to(torch.float64)
-        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-        kwargs = {k: (torch.float64 if v is torch.float32 else v) for k, v in kwargs.items()}
-        return func(*args, **kwargs)
 
 
 def _no_clamp_copy(preset: str, dst: Path) -> Path:
@@ -106,7 +84,7 @@ class _QLora(torch.nn.Module):
 
 
 def _builtin_grads(ck: Path, ids: torch.Tensor, fp64: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
-    """(loss, HF name -> gradient) of transformers' built-in bailing_hybrid, eager, fp32 (or fp64, `_Fp64`)."""
+    """(loss, HF name -> gradient) of transformers' built-in bailing_hybrid, eager, fp32 (or fp64, `Float64Mode`)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
@@ -134,7 +112,7 @@ def _builtin_grads(ck: Path, ids: torch.Tensor, fp64: bool = False) -> tuple[flo
                                                     ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight")))
     if fp64:
         model.double()
-    with _Fp64() if fp64 else nullcontext():
+    with Float64Mode() if fp64 else nullcontext():
         loss = _loss(model(ids).logits, ids)
     loss.backward()
     kinds = {i: k for i, k in enumerate(cfg.layer_kinds)}
@@ -162,7 +140,7 @@ def _twin_grads(ck: Path, ids: torch.Tensor, fp64: bool = False, mutant=None) ->
             model.double()
         if mutant is not None:
             mutant(model)
-        with _Fp64() if fp64 else nullcontext():
+        with Float64Mode() if fp64 else nullcontext():
             loss = _loss(model(ids).logits, ids)
         loss.backward()
         n = loaded.config.num_hidden_layers
@@ -315,11 +293,11 @@ def _kda_leaves(T: int, seed: int = 0, fp64: bool = True) -> dict[str, torch.Ten
 
 def _stand_in_grads(kind: str, x: dict, fp64: bool = True) -> dict[str, torch.Tensor]:
     """Gradients of <do, o> + <dS, S> through the stand-in called as the official file calls it (gate, l2norm in
-    the kernel), in float64 (`_Fp64`: the stand-in's fp32 upcasts become float64) or as is (fp32 leaves)."""
+    the kernel), in float64 (`Float64Mode`: the stand-in's fp32 upcasts become float64) or as is (fp32 leaves)."""
     from parity.torch_ref import fla_cpu
 
     fn = fla_cpu.chunk_kda if kind == "chunk" else fla_cpu.fused_recurrent_kda
-    with _Fp64() if fp64 else nullcontext():
+    with Float64Mode() if fp64 else nullcontext():
         o, S = fn(q=x["q"], k=x["k"], v=x["v"], g=x["a"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                   initial_state=x["S0"], output_final_state=True, use_qk_l2norm_in_kernel=True,
                   use_gate_in_kernel=True, lower_bound=_KDA_LB)
@@ -337,7 +315,7 @@ def _naive_grads(naive, kind: str, x: dict, fp64: bool = True) -> dict[str, torc
     H, K = x["a"].shape[-2:]
     gate = _KDA_LB * torch.sigmoid(torch.exp(x["A_log"]).view(H, 1) * (x["a"] + x["dt_bias"].view(H, K)))
     fn = naive.naive_chunk_kda if kind == "chunk" else naive.naive_recurrent_kda
-    with _Fp64() if fp64 else nullcontext():
+    with Float64Mode() if fp64 else nullcontext():
         o, S = fn(l2(x["q"]), l2(x["k"]), x["v"], gate, x["beta"], initial_state=x["S0"], output_final_state=True)
         loss = (o * x["do"]).sum() + (S * x["dS"]).sum()
     names = ("q", "k", "v", "a", "beta", "A_log", "dt_bias", "S0")
@@ -442,14 +420,14 @@ def test_stand_in_kda_autograd_comparison_detects_a_planted_bug(monkeypatch, kin
     T = 100 if kind == "chunk" else 40
     x = _kda_leaves(T)
     ref = _naive_grads(naive, "recurrent", x)
-    with torch.no_grad(), _Fp64():
+    with torch.no_grad(), Float64Mode():
         o_ok, _ = (fla_cpu.chunk_kda if kind == "chunk" else fla_cpu.fused_recurrent_kda)(
             q=x["q"], k=x["k"], v=x["v"], g=x["a"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
             initial_state=x["S0"], output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             lower_bound=_KDA_LB)
     monkeypatch.setattr(fla_cpu, "torch", _TorchWith(**{bug: _detached_decay if bug == "exp"
                                                         else _l2norm_scale_detached}))
-    with torch.no_grad(), _Fp64():
+    with torch.no_grad(), Float64Mode():
         o_bug, _ = (fla_cpu.chunk_kda if kind == "chunk" else fla_cpu.fused_recurrent_kda)(
             q=x["q"], k=x["k"], v=x["v"], g=x["a"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
             initial_state=x["S0"], output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,

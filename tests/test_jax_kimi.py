@@ -4,7 +4,7 @@ independent implementation (issue 34, first step).
 Setup: a tiny random `KimiLinearConfig` (4 layers: KDA+dense, MLA+MoE, KDA+MoE, MLA+dense; grouped router with a
 random `e_score_correction_bias`), the built-in with eager attention and eager experts, a T=70 prompt (two chunks of
 the built-in's chunked KDA). Forward hooks capture every decoder layer's input and output; the JAX layer is fed the
-same input. The yardstick is an independent float64 run of the built-in on that same layer input (`_Fp64`: the
+same input. The yardstick is an independent float64 run of the built-in on that same layer input (`Float64Mode`: the
 built-in upcasts to fp32 in places — `.float()`, `dtype=torch.float32` — and those are made float64 too, so nothing
 in it is fp32): error = ‖out − out₆₄‖ / ‖out₆₄ − in‖ (relative to the layer's own update), and the JAX fp32 error
 must be within `KIMI_LAYER_FP32_NOISE_MULTIPLE` × the built-in's own fp32 error (its noise floor) — bf16 likewise
@@ -31,10 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from bounds import (FP32_GATE_VS_FP64, FP32_REORDERED, FP64_SAME_MATHS_REL, KIMI_KDA_CORE_FP32_NOISE_MULTIPLE,
                     KIMI_LAYER_BF16_NOISE_MULTIPLE, KIMI_LAYER_FP32_NOISE_MULTIPLE)
+from parity.torch_ref.fp64 import Float64Mode
 from parity.errors import CheckpointError, ConfigError
 from parity.jax_kimi import kda as kimi_kda
 from parity.jax_kimi import mla as kimi_mla
@@ -68,29 +68,6 @@ def tiny_config(**over):
     return KimiLinearConfig(**kw)
 
 
-class _Fp64(TorchFunctionMode):
-    """Run torch code in float64 although it upcasts to fp32 (`.float()`, `.to(torch.float32)`, `.type(...)`,
-    `dtype=torch.float32`): every fp32 request becomes float64, the default dtype too (the trick of
-    test_backward_dump.py's `_Fp64`)."""
-
-    def __enter__(self):
-        self._old = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.set_default_dtype(self._old)
-        return super().__exit__(*exc)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.float:
-            return args[0].to(torch.float64)
-        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-        kwargs = {k: (torch.float64 if v is torch.float32 else v) for k, v in kwargs.items()}
-        return func(*args, **kwargs)
-
-
 def _capture(model, ids, inputs=None, fp64=False):
     """{layer: (input, output)} and {layer: router (logits, weights, idx)} of one forward; `inputs` replaces each
     layer's input (teacher forcing: every layer of this run sees the given input)."""
@@ -109,7 +86,7 @@ def _capture(model, ids, inputs=None, fp64=False):
     try:
         with torch.no_grad():
             if fp64:
-                with _Fp64():
+                with Float64Mode():
                     model(ids)
             else:
                 model(ids)
@@ -236,7 +213,7 @@ def test_mla_with_q_lora_matches_the_builtin():
     mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
     with torch.no_grad():
         out32 = layer(x, attention_mask=mask)
-        with _Fp64():
+        with Float64Mode():
             ref = layer64(x.double(), attention_mask=mask.double())
     spec = layer_spec(cfg, 1, "float32")
     assert spec.model.q_lora_rank == 24
@@ -271,7 +248,7 @@ def test_kda_decode_step_matches_the_builtin(builtin, monkeypatch, bug):
         h = model.model.layers[0].register_forward_hook(
             lambda mod, args, kwargs, out: cap.append((args[0].clone(), out.clone())), with_kwargs=True)
         try:
-            with torch.no_grad(), (_Fp64() if fp64 else contextlib.nullcontext()):
+            with torch.no_grad(), (Float64Mode() if fp64 else contextlib.nullcontext()):
                 o = model(ids[:, :T], use_cache=True)
                 model(ids[:, T:], past_key_values=o.past_key_values, use_cache=True)
         finally:
@@ -409,7 +386,7 @@ def test_forget_gate_is_per_head_softplus(builtin):
     i = 0
     spec = layer_spec(b["cfg"], i, "float32")
     x = torch.randn(1, T, b["cfg"].hidden_size, generator=torch.Generator().manual_seed(3))
-    with torch.no_grad(), _Fp64():
+    with torch.no_grad(), Float64Mode():
         want = b["model64_32"].model.layers[i].self_attn.forget_gate(x.double())
     p = layer_params(b["model"].state_dict(), i, spec)["self_attn"]
     got = kimi_kda.forget_gate(p, jnp.asarray(x.numpy()), spec)
@@ -472,7 +449,7 @@ def test_builtin_kda_core_is_flas_naive_kda_and_jax_is_within_its_noise():
     gate = -A_log.exp().view(1, 1, H, 1) * torch.nn.functional.softplus(a + dt_bias.view(H, d))
     beta = torch.sigmoid(r(B, T, H))
     chunk = mk.chunk_kimi_delta_attention
-    with _Fp64():
+    with Float64Mode():
         o64, _ = chunk(q, k, v, g=gate, beta=beta, use_qk_l2norm_in_kernel=True)
         qn, kn = (mk.l2norm(t) for t in (q, k))
         o_ref, _ = naive.naive_recurrent_kda(qn, kn, v, gate, beta, scale=d ** -0.5)
