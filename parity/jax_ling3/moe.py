@@ -276,7 +276,9 @@ def _routed_blocked_bwd(limit, Bs, Bb, res, dout):
     next experts' chunks, as in the forward. An expert with more rows than the largest chunk (`Bb`; rare: 4x the
     mean) is redone by a second loop over such experts: all its rows in chunks of Bb, the weight gradients summed in
     fp32, its dx rows written under a mask (the next experts' rows are final by then). The gradients' fp32 sums
-    depend on the chunk sizes. As in the forward, no conditional carries a buffer. Readable reference: plain AD of
+    depend on the chunk sizes. As in the forward, no conditional carries a buffer. The weight gradients are computed
+    and stacked in the HF layout ([out, in] per expert: dgu^T x, dy^T h) and returned swapped to p's layout, a swap
+    the jitted layer VJP undoes for free (`backward.experts_to_hf`). Readable reference: plain AD of
     `routed_experts_dense` (tests/test_jax_moe_vjp.py)."""
     p, x, idx, w, rows, ys, gs, us = res
     dt = x.dtype
@@ -301,17 +303,19 @@ def _routed_blocked_bwd(limit, Bs, Bb, res, dout):
     gus = jnp.concatenate([gs[:A], us[:A]], axis=1)  # [A, 2I] fp32 holding dt values
     gus = padded(gus, gus)
     names = ("experts_gate", "experts_up", "experts_down")
-    # gradient stacks as integer bits when 2-byte (XLA:CPU has no bf16 dynamic-update-slice: see `_expert_rows`)
+    # gradient stacks in the HF layout [E, out, in] (returned swapped to p's [E, in, out]: `experts_to_hf` in the
+    # jitted layer VJP swaps them back, which XLA cancels, so the host gets the HF layout without a transpose), as
+    # integer bits when 2-byte (XLA:CPU has no bf16 dynamic-update-slice: see `_expert_rows`)
     bits = {n: jnp.uint16 if p[n].dtype.itemsize == 2 else None for n in names}
-    stack0 = tuple(jnp.zeros(p[n].shape, bits[n] or p[n].dtype) for n in names)
+    stack0 = tuple(jnp.zeros((E, p[n].shape[2], p[n].shape[1]), bits[n] or p[n].dtype) for n in names)
 
-    def put(stacks, e, agu, ad):
+    def put(stacks, e, gut, gdt):  # gut [2I, D]: the gate and up gradients, gdt [D, I] the down one (HF layouts)
         def one(stack, g, n):
             g = g.astype(p[n].dtype)
             if bits[n] is not None:
                 g = jax.lax.bitcast_convert_type(g, bits[n])
             return jax.lax.dynamic_update_index_in_dim(stack, g, e, axis=0)
-        return tuple(one(s, g, n) for s, g, n in zip(stacks, (agu[:, :I], agu[:, I:], ad), names))
+        return tuple(one(s, g, n) for s, g, n in zip(stacks, (gut[:I], gut[I:], gdt), names))
 
     def swiglu_split(gu):
         return swiglu(gu[:, :I], gu[:, I:], limit)
@@ -321,7 +325,7 @@ def _routed_blocked_bwd(limit, Bs, Bb, res, dout):
     def weights(e):
         return jnp.concatenate([slabs[0](e), slabs[1](e)], axis=1), slabs[2](e)  # [D, 2I], [I, D]
 
-    def chunk(e, wgu, wd, size, off):  # `size` rows from expert e's row `off`: (x^T dgu, h^T dy, dx rows [Bb, D])
+    def chunk(e, wgu, wd, size, off):  # `size` rows from expert e's row `off`: (dgu^T x, dy^T h, dx rows [Bb, D])
         r0 = rows.seg_start[e] + off
         valid = (off + jnp.arange(size)) < rows.counts[e]
         xb = jax.lax.dynamic_slice_in_dim(xs, r0, size)
@@ -330,15 +334,15 @@ def _routed_blocked_bwd(limit, Bs, Bb, res, dout):
         h, swiglu_vjp = jax.vjp(swiglu_split, gub)
         dgu = up(swiglu_vjp(matmul_f32(dyb, wd.T).astype(dt))[0])  # [size, 2I]
         dxr = jnp.pad(matmul_f32(dgu, wgu.T), ((0, Bb - size), (0, 0)))
-        return matmul_f32(xb.T, dgu), matmul_f32(up(h).T, dyb), dxr
+        return matmul_f32(dgu.T, xb), matmul_f32(dyb.T, up(h)), dxr
 
     def expert_body(i, carry):  # every used expert, its first min(count, Bb) rows in one chunk
         dxs, stacks = carry
         e = rows.used[i]
         wgu, wd = weights(e)
         which = _first_holding(sizes, jnp.minimum(rows.counts[e], Bb))
-        agu, ad, dxr = jax.lax.switch(which, [partial(chunk, e, wgu, wd, t) for t in sizes], 0)
-        return jax.lax.dynamic_update_slice_in_dim(dxs, dxr, rows.seg_start[e], axis=0), put(stacks, e, agu, ad)
+        gut, gdt, dxr = jax.lax.switch(which, [partial(chunk, e, wgu, wd, t) for t in sizes], 0)
+        return jax.lax.dynamic_update_slice_in_dim(dxs, dxr, rows.seg_start[e], axis=0), put(stacks, e, gut, gdt)
 
     def overflow_body(i, carry):  # an expert with more than Bb rows: all of them, chunks of Bb, fp32 sums
         dxs, stacks = carry
@@ -346,22 +350,22 @@ def _routed_blocked_bwd(limit, Bs, Bb, res, dout):
         wgu, wd = weights(e)
 
         def one(j, acc):
-            agu, ad, dxs = acc
+            gut, gdt, dxs = acc
             g1, g2, dxr = chunk(e, wgu, wd, Bb, j * Bb)
             r0 = rows.seg_start[e] + j * Bb
             mine = ((j * Bb + jnp.arange(Bb)) < rows.counts[e])[:, None]
             dxr = jnp.where(mine, dxr, jax.lax.dynamic_slice_in_dim(dxs, r0, Bb))  # the next experts' rows kept
-            return agu + g1, ad + g2, jax.lax.dynamic_update_slice_in_dim(dxs, dxr, r0, axis=0)
+            return gut + g1, gdt + g2, jax.lax.dynamic_update_slice_in_dim(dxs, dxr, r0, axis=0)
 
-        acc0 = (jnp.zeros((D, 2 * I), F32), jnp.zeros((I, D), F32), dxs)
-        agu, ad, dxs = jax.lax.fori_loop(0, (rows.counts[e] + Bb - 1) // Bb, one, acc0)
-        return dxs, put(stacks, e, agu, ad)
+        acc0 = (jnp.zeros((2 * I, D), F32), jnp.zeros((D, I), F32), dxs)
+        gut, gdt, dxs = jax.lax.fori_loop(0, (rows.counts[e] + Bb - 1) // Bb, one, acc0)
+        return dxs, put(stacks, e, gut, gdt)
 
     carry = jax.lax.fori_loop(0, rows.n_used, expert_body, (jnp.zeros((R, D), F32), stack0))
     over = jnp.argsort(rows.counts <= Bb, stable=True).astype(jnp.int32)  # experts with > Bb rows first
     dxs, stacks = jax.lax.fori_loop(0, jnp.sum(rows.counts > Bb).astype(jnp.int32), overflow_body, carry)
     dx = jnp.sum(dxs[:A][inv].reshape(N, k, D), axis=1).astype(dt)
-    dp = {n: jax.lax.bitcast_convert_type(s, p[n].dtype) if bits[n] is not None else s
+    dp = {n: jnp.swapaxes(jax.lax.bitcast_convert_type(s, p[n].dtype) if bits[n] is not None else s, 1, 2)
           for n, s in zip(names, stacks)}
     return dp, dx, None, dw
 
