@@ -15,9 +15,12 @@ Two evaluations of the routed experts, same maths per (token, expert) row:
   same rows at Ling3-Tiny T=512), so the blocks are done by hand.
   Its backward is its own VJP (`jax.custom_vjp`, `_routed_blocked_bwd`): reverse-mode AD cannot go through the loop's
   routing-dependent trip counts, and plain AD of a static-length form (issue 26) scattered every block's weight
-  gradient into the whole [E, ...] stacks (17.8x the twin's autograd at Ling3-Tiny MLA+MoE T=512). The VJP runs the
-  same blocks expert by expert and writes each expert's gradients once, accumulated in fp32; the forward it runs is
-  the same loop (`_expert_rows`), so the forward bits do not depend on whether a backward follows.
+  gradient into the whole [E, ...] stacks (17.8x the twin's autograd at Ling3-Tiny MLA+MoE T=512). The VJP runs
+  each used expert's rows in one chunk (4 GEMMs, no per-block fp32 gradient sums: its bits are not pinned, so it
+  is not bound to the forward's <= 32-row blocks) and writes each expert's gradients once, in the HF layout; the
+  forward it runs is the same loop (`_expert_rows`), so the forward bits do not depend on whether a backward
+  follows. XLA:CPU traps the loops avoid (measured): a `lax.switch` carrying the row buffers, and a dynamic slice of
+  a bf16 array (~0.75 GB/s: `_expert_weights` slices uint16 bits).
 
 The readable pair: `routed_experts_dense` and its plain-AD VJP (tests/test_jax_moe_blocked.py, test_jax_moe_vjp.py).
 """
@@ -170,22 +173,21 @@ def _tail_sizes(Bs: int) -> tuple[int, ...]:
 def _expert_rows(p: dict, x: jnp.ndarray, rows: _Rows, limit: float | None, Bs: int, save: bool):
     """The blocked loop: every used expert's row blocks, [size, D] x [D, I] GEMMs with that expert's weights only.
 
-    A loop over the used experts upcasts the expert's weights once and runs its count // Bs full blocks of Bs rows,
-    then its remaining rows (if any) in one tail block of the next multiple of 8 rows (a `lax.switch` over the
-    static sizes `_tail_sizes(Bs)`, its outputs zero-padded to Bs rows), written at their sorted rows. A block's
-    rows have the same bits whatever the block's row count within [8, 32] (`block_rows`), so the tail's size changes
-    no output bit, only the padding (at Ling3-Tiny T=512, 32 rows per expert on average, 32-row tails computed ~40 %
-    more rows than the experts hold). A block's rows past its expert's count spill onto the next experts' first
-    rows; experts run in ascending order, so the next experts' own blocks overwrite them (the buffer has Bs spare
-    rows for the last one). Returns ys [A+Bs, D], and with `save` also the rows' g and u [A+Bs, I] (the VJP's
-    residuals).
+    A loop over the experts (skipping unused ones) upcasts the expert's weights once and runs its count // Bs full
+    blocks of Bs rows, then its remaining rows (if any) in one tail block of the next multiple of 8 rows (a
+    `lax.switch` over the static sizes `_tail_sizes(Bs)`, its outputs zero-padded to Bs rows), written at their
+    sorted rows. A block's rows have the same bits whatever the block's row count within [8, 32] (`block_rows`), so
+    the tail's size changes no output bit, only the padding (an expert with 33 rows ran two 32-row blocks, now 32 +
+    8 rows). A block's rows past its expert's count spill onto the next experts' first rows; experts run in
+    ascending order, so the next experts' own blocks overwrite them (the buffer has Bs spare rows for the last one).
+    Returns ys [A+Bs, D], and with `save` also the rows' g and u [A+Bs, I] (the VJP's residuals).
 
     The buffers are fp32 and receive each block's outputs already rounded to the activation dtype (so they hold
     exactly the dt values): XLA:CPU has no bf16 dynamic-update-slice, so a bf16 buffer was converted to fp32 and
     back in full on every block (3.3 ms per block, a third of the loop at Ling3-Tiny T=512, jax.profiler trace).
-    tests/test_jax_moe_fast.py checks the compiled loop for that. No `lax.cond`/`lax.switch` carries a buffer
-    (XLA:CPU copied the whole buffer into a conditional on every call: 3-16 ms per expert at [4128, 1536] fp32,
-    measured): the loop runs over the used experts only, and the tail's switch returns its rows."""
+    tests/test_jax_moe_fast.py checks the compiled loop for that. The tail's `lax.switch` returns its rows instead
+    of carrying the buffers (carrying them made this loop ~2x slower at Ling3-Tiny T=512, measured); the `lax.cond`
+    that skips unused experts carries them as before (a loop over the used experts only measured slower here)."""
     dt = x.dtype
     D, I = x.shape[-1], p["experts_gate"].shape[-1]
     E = p["experts_gate"].shape[0]
