@@ -133,18 +133,27 @@ def test_embed_backward_padding_row_and_repeats():
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-flash"])
 def test_hf_layout_roundtrip_and_param_list(name):
-    """`to_hf_layout` is the inverse of `convert_layer`'s layout (every tensor back bit for bit), and the backward
-    points' parameter list is the checkpoint's (less the router's expert_bias buffer)."""
+    """`to_hf_layout` is the inverse of `convert_layer`'s layout (every tensor back bit for bit), also from params
+    whose routed-expert stacks are in the HF layout already (`experts_hf`, after `backward.experts_to_hf`: what the
+    reference's layer VJP returns), and the backward points' parameter list is the checkpoint's (less the router's
+    expert_bias buffer)."""
+    from parity.jax_ling3.backward import experts_to_hf
     from parity.jax_ling3.weights import CheckpointReader, convert_layer, expected_suffixes, to_hf_layout
     from parity.model.points import backward_param_sites
 
     r = CheckpointReader(CKPTS[name])
     cfg = r.config
+    n_moe = 0
     for i in range(cfg.num_hidden_layers):
         hf = r.hf_tensors(i)
         p = convert_layer(cfg, i, hf, "float32")
         back = to_hf_layout(cfg, i, p)
         assert set(back) == expected_suffixes(cfg, i)
+        swapped = to_hf_layout(cfg, i, {k: {k2: np.asarray(v2) for k2, v2 in v.items()} if isinstance(v, dict)
+                                        else v for k, v in experts_to_hf(p).items()}, experts_hf=True)
+        assert set(swapped) == set(back) and all(
+            swapped[k].shape == back[k].shape and np.array_equal(swapped[k], back[k]) for k in back)
+        n_moe += cfg.is_moe(i)
         again = convert_layer(cfg, i, {f"model.layers.{i}.{k}": v for k, v in back.items()}, "float32")
         flat = lambda d, pre="": {f"{pre}{k}": v for k0, v0 in d.items()  # noqa: E731
                                   for k, v in (flat(v0, f"{k0}.").items() if isinstance(v0, dict) else [(k0, v0)])}
@@ -152,6 +161,7 @@ def test_hf_layout_roundtrip_and_param_list(name):
         assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
         assert {s[len("grad."):] for s in backward_param_sites(cfg, i)} == \
             expected_suffixes(cfg, i) - {"mlp.gate.expert_bias"}
+    assert n_moe, f"{name}: no MoE layer, experts_hf not exercised"
 
 
 def _bits(a) -> np.ndarray:

@@ -141,17 +141,25 @@ def test_row_buffer_never_bf16():
     assert not re.search(rf"bf16\[{rows},{D}\]", hlo), "the row buffer is bf16 in the compiled loop"
 
 
-def test_block_rows_cap_and_block_size_invariance():
+@pytest.mark.parametrize("D,I", [(512, 256), (1536, 512)], ids=["mid", "ling3-tiny-width"])
+def test_block_rows_cap_and_block_size_invariance(D, I):
     """`block_rows` stays in [8, 32]; and row results do not depend on the block size within that range (what the
-    cap relies on: a row's bits do not depend on how many rows its expert got), at a mid-size shape."""
+    cap relies on: a row's bits do not depend on how many rows its expert got, nor on the size of the tail block its
+    last rows go in: `_expert_rows`' tails of a multiple of 8 rows), at a mid-size shape and at Ling3-Tiny's widths
+    (D=1536, I=512), where T >= 512 gives 32-row blocks. Block 8 is a GEMM of 8 rows only; the others mix full
+    blocks with tails of 8-32 rows."""
     assert moe.block_rows(4096, 128) == 32 and moe.block_rows(16384, 128) == 32 and moe.block_rows(10, 128) == 8
-    N, k, D, I, E = 96, 4, 512, 256, 8
-    rng = np.random.default_rng(1)
+    N, k, E = 96, 4, 12  # 32 rows per expert on average: block 32, tails of 8, 16, 24 and 32 rows
+    rng, route_rng = np.random.default_rng(1), np.random.default_rng(0)
     p = {n: jnp.asarray(rng.standard_normal(s) * 0.05, jnp.bfloat16)
          for n, s in [("experts_gate", (E, D, I)), ("experts_up", (E, D, I)), ("experts_down", (E, I, D))]}
     x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
-    idx = jnp.asarray(np.sort(np.stack([rng.choice(E, k, replace=False) for _ in range(N)]), -1), jnp.int32)
+    idx = jnp.asarray(np.sort(np.stack([route_rng.choice(E, k, replace=False) for _ in range(N)]), -1), jnp.int32)
     w = jnp.asarray(rng.random((N, k)), jnp.float32)
+    assert moe.block_rows(N * k, E) == 32
+    counts = np.bincount(np.asarray(idx).ravel(), minlength=E)
+    tails = {-(-(int(c) % 32) // 8) * 8 for c in counts} - {0}  # block 32's tail sizes
+    assert len(tails) >= 3, f"too few distinct tail sizes to pin: counts {counts}"
     outs = {b: _bits(jax.jit(lambda p, x, i, w, b=b: moe.routed_experts_blocked(p, x, i, w, None, block=b),
                              compiler_options=REFERENCE_COMPILER_OPTIONS)(p, x, idx, w)) for b in (8, 16, 24, 32)}
     for b, o in outs.items():

@@ -25,28 +25,42 @@ F32 = jnp.float32
 LOSS_NAME = "next_token_ce_mean_fp32"
 
 
+EXPERT_STACKS = ("experts_gate", "experts_up", "experts_down")
+
+
+def experts_to_hf(dp: dict) -> dict:
+    """d_params with the routed experts' gradient stacks swapped from the JAX layout [E, in, out] to the HF one
+    [E, out, in] (the rest unchanged). Inside the jitted VJP this costs nothing: the experts' VJP computes its stacks
+    in the HF layout and ends with the opposite swap (`moe._routed_blocked_bwd`), and XLA cancels the two; on the
+    host the same transposes took ~0.5 s per Ling3-Tiny stack (3 per MoE layer)."""
+    mlp = dp.get("mlp") if isinstance(dp, dict) else None
+    if not isinstance(mlp, dict) or not all(n in mlp for n in EXPERT_STACKS):
+        return dp
+    return {**dp, "mlp": {**mlp, **{n: jnp.swapaxes(mlp[n], -1, -2) for n in EXPERT_STACKS}}}
+
+
 def layer_backward(layer_fn, p: dict, h: jnp.ndarray, positions: jnp.ndarray, cotangent: jnp.ndarray,
-                   forced_idx, spec: LayerSpec):
+                   forced_idx, spec: LayerSpec, hf_experts: bool = False):
     """(d_hidden, d_params (JAX layout), {site: cotangent}) of `layer_fn` (`decoder_layer`'s signature, with
     `probes`) at prefill (no state), routing forced to `forced_idx` (the forward's experts: discrete top-k is not
-    differentiated)."""
+    differentiated). `hf_experts`: the routed experts' stacks in d_params in the HF layout (`experts_to_hf`)."""
     def fn(params, hidden, probes):
         out, pts, _ = layer_fn(params, hidden, positions, spec, None, forced_idx, probes=probes)
         return out, pts
 
     shapes = probe_shapes(fn, p, h)
     dh, dp, dpr, _ = layer_vjp(fn, p, h, cotangent, zero_probes(shapes))
-    return dh, dp, dpr
+    return dh, experts_to_hf(dp) if hf_experts else dp, dpr
 
 
 @lru_cache(maxsize=64)
 def make_layer_backward_jit(layer_fn):
-    """`layer_backward` of `layer_fn`, jitted (static spec) with the reference's compiler options.
+    """`layer_backward` of `layer_fn`, jitted (static spec and hf_experts) with the reference's compiler options.
 
     One jitted function per layer function in the process (not per target instance): a second target replaying the
     same layer function reuses its traces and `reference.compiled_call`'s executables instead of tracing and
     lowering the layer's VJP again (seconds per layer kind; what the test suite's many short replays paid)."""
-    return jax.jit(partial(layer_backward, layer_fn), static_argnames=("spec",),
+    return jax.jit(partial(layer_backward, layer_fn), static_argnames=("spec", "hf_experts"),
                    compiler_options=REFERENCE_COMPILER_OPTIONS)
 
 

@@ -15,9 +15,12 @@ Two evaluations of the routed experts, same maths per (token, expert) row:
   same rows at Ling3-Tiny T=512), so the blocks are done by hand.
   Its backward is its own VJP (`jax.custom_vjp`, `_routed_blocked_bwd`): reverse-mode AD cannot go through the loop's
   routing-dependent trip counts, and plain AD of a static-length form (issue 26) scattered every block's weight
-  gradient into the whole [E, ...] stacks (17.8x the twin's autograd at Ling3-Tiny MLA+MoE T=512). The VJP runs the
-  same blocks expert by expert and writes each expert's gradients once, accumulated in fp32; the forward it runs is
-  the same loop (`_expert_rows`), so the forward bits do not depend on whether a backward follows.
+  gradient into the whole [E, ...] stacks (17.8x the twin's autograd at Ling3-Tiny MLA+MoE T=512). The VJP runs
+  each used expert's rows in one chunk (4 GEMMs, no per-block fp32 gradient sums: its bits are not pinned, so it
+  is not bound to the forward's <= 32-row blocks) and writes each expert's gradients once, in the HF layout; the
+  forward it runs is the same loop (`_expert_rows`), so the forward bits do not depend on whether a backward
+  follows. XLA:CPU traps the loops avoid (measured): a `lax.switch` carrying the row buffers, and a dynamic slice of
+  a bf16 array (~0.75 GB/s: `_expert_weights` slices uint16 bits).
 
 The readable pair: `routed_experts_dense` and its plain-AD VJP (tests/test_jax_moe_blocked.py, test_jax_moe_vjp.py).
 """
@@ -119,11 +122,14 @@ def block_rows(n_assign: int, n_experts: int) -> int:
 
 class _Rows(NamedTuple):
     """The blocked path's row layout (shared by its forward and its VJP): sorted row r holds assignment order[r] =
-    (token r // k, slot r % k); expert e owns sorted rows [seg_start[e], seg_start[e] + counts[e])."""
+    (token r // k, slot r % k); expert e owns sorted rows [seg_start[e], seg_start[e] + counts[e]); used[:n_used]
+    are the experts with rows, ascending."""
     order: jnp.ndarray  # [A] int
     tok: jnp.ndarray  # [A + Bs] token of each sorted row; Bs spare rows (token 0, discarded)
     counts: jnp.ndarray  # [E]
     seg_start: jnp.ndarray  # [E]
+    used: jnp.ndarray  # [E] int32: the used experts first, ascending, then the unused ones
+    n_used: jnp.ndarray  # int32
 
 
 def _sort_rows(idx: jnp.ndarray, n_experts: int, Bs: int) -> _Rows:
@@ -132,7 +138,8 @@ def _sort_rows(idx: jnp.ndarray, n_experts: int, Bs: int) -> _Rows:
     order = jnp.argsort(e_flat, stable=True)
     tok = jnp.concatenate([order // k, jnp.zeros((Bs,), order.dtype)])
     counts = jnp.bincount(e_flat, length=n_experts)
-    return _Rows(order, tok, counts, jnp.cumsum(counts) - counts)
+    used = jnp.argsort(counts == 0, stable=True).astype(jnp.int32)
+    return _Rows(order, tok, counts, jnp.cumsum(counts) - counts, used, jnp.sum(counts > 0).astype(jnp.int32))
 
 
 def _up():
@@ -140,44 +147,86 @@ def _up():
     return (lambda a: a) if ops.NATIVE_BF16_MATMUL else _upcast_cpu
 
 
-def _expert_rows(p: dict, x: jnp.ndarray, rows: _Rows, limit: float | None, Bs: int, save: bool):
-    """The blocked loop: every used expert's row blocks, [Bs, D] x [D, I] GEMMs with that expert's weights only.
+def _expert_weights(stack: jnp.ndarray, dt):
+    """e -> stack[e] in dt, upcast as `_up()` does (the same values either way). A bf16 stack is sliced as uint16
+    bits: XLA:CPU's dynamic slice of a bf16 array ran at ~0.75 GB/s (2 ms per [1536, 512] expert slab, 3 slabs per
+    expert in the forward and 3 in the VJP, measured on the Xeon VM), the uint16 slice at memory speed."""
+    up = _up()
+    if stack.dtype != jnp.bfloat16 or dt != jnp.bfloat16:
+        return lambda e: up(stack[e].astype(dt))
+    bits = jax.lax.bitcast_convert_type(stack, jnp.uint16)
+    if up is _upcast_cpu and jax.default_backend() == "cpu":  # `_upcast_cpu` on the bits directly
+        return lambda e: jax.lax.bitcast_convert_type(bits[e].astype(jnp.uint32) << 16, F32)
+    return lambda e: up(jax.lax.bitcast_convert_type(bits[e], jnp.bfloat16))
 
-    A loop over the experts (skipping unused ones) upcasts the expert's weights once and runs its ceil(count/Bs)
-    blocks, written at their sorted rows. The last block of an expert spills onto the next expert's first rows;
-    experts run in ascending order, so the next expert's own blocks overwrite them (the buffer has Bs spare rows for
-    the last one). Returns ys [A+Bs, D], and with `save` also the rows' g and u [A+Bs, I] (the VJP's residuals).
+
+def _first_holding(sizes: tuple[int, ...], n):
+    """Index of the first of the ascending static `sizes` that is >= n (traced n <= sizes[-1])."""
+    return jnp.sum(jnp.asarray(sizes) < n).astype(jnp.int32)
+
+
+def _tail_sizes(Bs: int) -> tuple[int, ...]:
+    """The forward's tail-block sizes: the multiples of 8 up to Bs (Bs itself when Bs is not a multiple of 8)."""
+    return tuple(range(8, Bs + 1, 8)) if Bs % 8 == 0 else (Bs,)
+
+
+def _expert_rows(p: dict, x: jnp.ndarray, rows: _Rows, limit: float | None, Bs: int, save: bool):
+    """The blocked loop: every used expert's row blocks, [size, D] x [D, I] GEMMs with that expert's weights only.
+
+    A loop over the experts (skipping unused ones) upcasts the expert's weights once and runs its count // Bs full
+    blocks of Bs rows, then its remaining rows (if any) in one tail block of the next multiple of 8 rows (a
+    `lax.switch` over the static sizes `_tail_sizes(Bs)`, its outputs zero-padded to Bs rows), written at their
+    sorted rows. A block's rows have the same bits whatever the block's row count within [8, 32] (`block_rows`), so
+    the tail's size changes no output bit, only the padding (an expert with 33 rows ran two 32-row blocks, now 32 +
+    8 rows). A block's rows past its expert's count spill onto the next experts' first rows; experts run in
+    ascending order, so the next experts' own blocks overwrite them (the buffer has Bs spare rows for the last one).
+    Returns ys [A+Bs, D], and with `save` also the rows' g and u [A+Bs, I] (the VJP's residuals).
 
     The buffers are fp32 and receive each block's outputs already rounded to the activation dtype (so they hold
     exactly the dt values): XLA:CPU has no bf16 dynamic-update-slice, so a bf16 buffer was converted to fp32 and
     back in full on every block (3.3 ms per block, a third of the loop at Ling3-Tiny T=512, jax.profiler trace).
-    tests/test_jax_moe_fast.py checks the compiled loop for that."""
+    tests/test_jax_moe_fast.py checks the compiled loop for that. The tail's `lax.switch` returns its rows instead
+    of carrying the buffers (carrying them made this loop ~2x slower at Ling3-Tiny T=512, measured); the `lax.cond`
+    that skips unused experts carries them as before (a loop over the used experts only measured slower here)."""
     dt = x.dtype
     D, I = x.shape[-1], p["experts_gate"].shape[-1]
     E = p["experts_gate"].shape[0]
     R = rows.tok.shape[0]
     up = _up()
     xs = up(x[rows.tok])  # once, not per block
+    tails = _tail_sizes(Bs)
+    slabs = [_expert_weights(p[n], dt) for n in ("experts_gate", "experts_up", "experts_down")]
 
-    def expert_body(e, bufs):  # one used expert: (upcast its weights once, then) its ceil(count/Bs) row blocks
-        wg, wu, wd = (up(p[n][e].astype(dt)) for n in ("experts_gate", "experts_up", "experts_down"))
+    def expert_body(e, bufs):  # one used expert: (upcast its weights once, then) its row blocks
+        wg, wu, wd = (slab(e) for slab in slabs)
 
-        def block_body(j, bufs):
-            r0 = rows.seg_start[e] + j * Bs
-            xb = jax.lax.dynamic_slice_in_dim(xs, r0, Bs)
+        def block(size, xb):  # the outputs of the first `size` of the Bs rows xb, fp32 holding dt values, padded
+            xb = xb[:size]
             g = matmul_f32(xb, wg).astype(dt)
             u = matmul_f32(xb, wu).astype(dt)
             y = matmul_f32(up(swiglu(g, u, limit)), wd).astype(dt)
-            return tuple(jax.lax.dynamic_update_slice_in_dim(b, v.astype(F32), r0, axis=0)
-                         for b, v in zip(bufs, (y, g, u) if save else (y,)))
+            return tuple(jnp.pad(v.astype(F32), ((0, Bs - size), (0, 0))) for v in ((y, g, u) if save else (y,)))
 
-        return jax.lax.fori_loop(0, (rows.counts[e] + Bs - 1) // Bs, block_body, bufs)
+        def write(bufs, r0, outs):
+            return tuple(jax.lax.dynamic_update_slice_in_dim(b, v, r0, axis=0) for b, v in zip(bufs, outs))
 
-    def maybe_expert(e, bufs):
-        return jax.lax.cond(rows.counts[e] > 0, expert_body, lambda e, bufs: bufs, e, bufs)
+        def rows_at(r0):
+            return jax.lax.dynamic_slice_in_dim(xs, r0, Bs)
+
+        c = rows.counts[e]
+        n_full = c // Bs
+        rem = c - n_full * Bs
+        bufs = jax.lax.fori_loop(0, n_full, lambda j, b: write(b, rows.seg_start[e] + j * Bs,
+                                                               block(Bs, rows_at(rows.seg_start[e] + j * Bs))), bufs)
+        # the tail; none (rem = 0): zeros, written onto the next experts' first rows like a spill
+        none = lambda xb: tuple(jnp.zeros((Bs, b.shape[1]), F32) for b in bufs)  # noqa: E731
+        which = (rem > 0) * (1 + _first_holding(tails, rem))
+        r0 = rows.seg_start[e] + n_full * Bs
+        return write(bufs, r0, jax.lax.switch(which, [none] + [partial(block, t) for t in tails], rows_at(r0)))
 
     bufs = (jnp.zeros((R, D), F32),) + ((jnp.zeros((R, I), F32), jnp.zeros((R, I), F32)) if save else ())
-    bufs = jax.lax.fori_loop(0, E, maybe_expert, bufs)
+    bufs = jax.lax.fori_loop(0, E, lambda e, b: jax.lax.cond(rows.counts[e] > 0, expert_body, lambda e, b: b, e, b),
+                             bufs)
     return bufs if save else bufs[0]
 
 
@@ -188,31 +237,50 @@ def _combine(ys: jnp.ndarray, rows: _Rows, w: jnp.ndarray, dt) -> jnp.ndarray:
     return jnp.einsum("nkd,nk->nd", y, w.astype(F32), precision=HI).astype(dt)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _routed_blocked(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, limit: float | None, Bs: int):
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _routed_blocked(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, limit: float | None, Bs: int,
+                    Bb: int):
     rows = _sort_rows(idx, p["experts_gate"].shape[0], Bs)
     return _combine(_expert_rows(p, x, rows, limit, Bs, save=False), rows, w, x.dtype)
 
 
-def _routed_blocked_fwd(p, x, idx, w, limit, Bs):
+def _routed_blocked_fwd(p, x, idx, w, limit, Bs, Bb):
     rows = _sort_rows(idx, p["experts_gate"].shape[0], Bs)
     ys, gs, us = _expert_rows(p, x, rows, limit, Bs, save=True)  # the same blocks, the same ys bits
     return _combine(ys, rows, w, x.dtype), (p, x, idx, w, rows, ys, gs, us)
 
 
-def _routed_blocked_bwd(limit, Bs, res, dout):
-    """The VJP of the blocked path, expert by expert: each used expert's row blocks accumulate its three weight
-    gradients in fp32, written once into the gradient stacks, rounded once.
+# the VJP's chunk sizes below its largest chunk (`bwd_chunk_sizes`): steps of 8 rows up to 32, then ~1.5x apart
+_BWD_STEPS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384)
+
+
+def bwd_chunk_sizes(n_tokens: int, n_assign: int, n_experts: int, cap: int | None = None) -> tuple[int, ...]:
+    """Row counts of the VJP's per-expert GEMMs, ascending. The last, its largest chunk, is 4x the mean rows per
+    expert (a power of two, >= 32), at most `cap` (default 512) and at most n_tokens rounded up to a multiple of 8 (an
+    expert holds at most one row per token: top-k ids are distinct)."""
+    mean = max(1.0, n_assign / n_experts)
+    top = min(cap or 512, -(-n_tokens // 8) * 8, max(32, 1 << math.ceil(math.log2(4 * mean))))
+    return tuple(s for s in _BWD_STEPS if s < top) + (top,)
+
+
+def _routed_blocked_bwd(limit, Bs, Bb, res, dout):
+    """The VJP of the blocked path, expert by expert: each used expert's rows in one GEMM per product (not in the
+    forward's blocks), its three weight gradients in fp32, written once into the gradient stacks, rounded once.
 
     Per row it is the VJP plain AD takes through the forward's roundings: the row's output cotangent is
     dt(dout · w) (the cotangent of the dt expert output), dh = dt(dy · Wd^T), (dg, du) = swiglu's own VJP, the
     row's input cotangent [dg du] · [Wg Wu]^T in fp32 (gate and up as one GEMM). The rows of a token are summed in
-    fp32 and cast once. A block's rows past its expert's count (the spill onto the next expert) get a zero
-    cotangent, and their dx rows are overwritten by the next expert's blocks, as in the forward. An expert's rows
-    run as full blocks of `bwd_block_rows` rows and one tail block of the next multiple of 8 rows (a `lax.switch`
-    over static sizes), so padding wastes < 8 rows per expert, not < Bb (at Ling3-Tiny T=512, 32 rows per expert on
-    average, a 32-row tail wasted a third of the rows). The gradients' fp32 sums, not the forward's bits, depend on
-    the block sizes. Readable reference: plain AD of
+    fp32 and cast once. The gradients' bits are not pinned (the forward's are: `_expert_rows`), so an expert's rows
+    go in one chunk of the smallest of `bwd_chunk_sizes` that holds them (a `lax.switch` over static sizes: < 8 rows
+    of padding up to 32 rows, < a third above), i.e. 4 GEMMs and no fp32 gradient accumulation per expert (a
+    [1536, 1024] fp32 add per extra block cost as much as a block's GEMM at Ling3-Tiny). A chunk's rows past its
+    expert's count (the spill onto the next experts) get a zero cotangent, and their dx rows are overwritten by the
+    next experts' chunks, as in the forward. An expert with more rows than the largest chunk (`Bb`; rare: 4x the
+    mean) is redone by a second loop over such experts: all its rows in chunks of Bb, the weight gradients summed in
+    fp32, its dx rows written under a mask (the next experts' rows are final by then). The gradients' fp32 sums
+    depend on the chunk sizes. As in the forward, no conditional carries a buffer. The weight gradients are computed
+    and stacked in the HF layout ([out, in] per expert: dgu^T x, dy^T h) and returned swapped to p's layout, a swap
+    the jitted layer VJP undoes for free (`backward.experts_to_hf`). Readable reference: plain AD of
     `routed_experts_dense` (tests/test_jax_moe_vjp.py)."""
     p, x, idx, w, rows, ys, gs, us = res
     dt = x.dtype
@@ -220,9 +288,9 @@ def _routed_blocked_bwd(limit, Bs, res, dout):
     k = idx.shape[-1]
     E, _, I = p["experts_gate"].shape
     A = N * k
-    Bb = bwd_block_rows(A, E)
+    sizes = bwd_chunk_sizes(N, A, E, Bb)
+    Bb = sizes[-1]
     R = A + Bb  # Bb spare rows for the last expert's spill
-    tail_sizes = tuple(range(8, Bb + 1, 8)) if Bb % 8 == 0 else (Bb,)
     up = _up()
     dout_f = dout.astype(F32)
     inv = jnp.argsort(rows.order)
@@ -237,60 +305,69 @@ def _routed_blocked_bwd(limit, Bs, res, dout):
     gus = jnp.concatenate([gs[:A], us[:A]], axis=1)  # [A, 2I] fp32 holding dt values
     gus = padded(gus, gus)
     names = ("experts_gate", "experts_up", "experts_down")
-    # gradient stacks as integer bits when 2-byte (XLA:CPU has no bf16 dynamic-update-slice: see `_expert_rows`)
+    # gradient stacks in the HF layout [E, out, in] (returned swapped to p's [E, in, out]: `experts_to_hf` in the
+    # jitted layer VJP swaps them back, which XLA cancels, so the host gets the HF layout without a transpose), as
+    # integer bits when 2-byte (XLA:CPU has no bf16 dynamic-update-slice: see `_expert_rows`)
     bits = {n: jnp.uint16 if p[n].dtype.itemsize == 2 else None for n in names}
-    stack0 = tuple(jnp.zeros(p[n].shape, bits[n] or p[n].dtype) for n in names)
+    stack0 = tuple(jnp.zeros((E, p[n].shape[2], p[n].shape[1]), bits[n] or p[n].dtype) for n in names)
 
-    def put(stack, e, g, n):
-        g = g.astype(p[n].dtype)
-        if bits[n] is not None:
-            g = jax.lax.bitcast_convert_type(g, bits[n])
-        return jax.lax.dynamic_update_index_in_dim(stack, g, e, axis=0)
+    def put(stacks, e, gut, gdt):  # gut [2I, D]: the gate and up gradients, gdt [D, I] the down one (HF layouts)
+        def one(stack, g, n):
+            g = g.astype(p[n].dtype)
+            if bits[n] is not None:
+                g = jax.lax.bitcast_convert_type(g, bits[n])
+            return jax.lax.dynamic_update_index_in_dim(stack, g, e, axis=0)
+        return tuple(one(s, g, n) for s, g, n in zip(stacks, (gut[:I], gut[I:], gdt), names))
 
     def swiglu_split(gu):
         return swiglu(gu[:, :I], gu[:, I:], limit)
 
-    def expert_body(e, carry):
+    slabs = [_expert_weights(p[n], dt) for n in names]
+
+    def weights(e):
+        return jnp.concatenate([slabs[0](e), slabs[1](e)], axis=1), slabs[2](e)  # [D, 2I], [I, D]
+
+    def chunk(e, wgu, wd, size, off):  # `size` rows from expert e's row `off`: (dgu^T x, dy^T h, dx rows [Bb, D])
+        r0 = rows.seg_start[e] + off
+        valid = (off + jnp.arange(size)) < rows.counts[e]
+        xb = jax.lax.dynamic_slice_in_dim(xs, r0, size)
+        gub = jax.lax.dynamic_slice_in_dim(gus, r0, size).astype(dt)
+        dyb = jnp.where(valid[:, None], jax.lax.dynamic_slice_in_dim(dys, r0, size), 0)
+        h, swiglu_vjp = jax.vjp(swiglu_split, gub)
+        dgu = up(swiglu_vjp(matmul_f32(dyb, wd.T).astype(dt))[0])  # [size, 2I]
+        dxr = jnp.pad(matmul_f32(dgu, wgu.T), ((0, Bb - size), (0, 0)))
+        return matmul_f32(dgu.T, xb), matmul_f32(dyb.T, up(h)), dxr
+
+    def expert_body(i, carry):  # every used expert, its first min(count, Bb) rows in one chunk
         dxs, stacks = carry
-        wgu = up(jnp.concatenate([p["experts_gate"][e], p["experts_up"][e]], axis=1).astype(dt))  # [D, 2I]
-        wd = up(p["experts_down"][e].astype(dt))
+        e = rows.used[i]
+        wgu, wd = weights(e)
+        which = _first_holding(sizes, jnp.minimum(rows.counts[e], Bb))
+        gut, gdt, dxr = jax.lax.switch(which, [partial(chunk, e, wgu, wd, t) for t in sizes], 0)
+        return jax.lax.dynamic_update_slice_in_dim(dxs, dxr, rows.seg_start[e], axis=0), put(stacks, e, gut, gdt)
 
-        c = rows.counts[e]
-        n_full = c // Bb
-        rem = c - n_full * Bb
+    def overflow_body(i, carry):  # an expert with more than Bb rows: all of them, chunks of Bb, fp32 sums
+        dxs, stacks = carry
+        e = over[i]
+        wgu, wd = weights(e)
 
-        def block(size, off, dxs):  # `size` rows from the expert's row `off`: weight-gradient terms, dxs written
-            r0 = rows.seg_start[e] + off
-            valid = (off + jnp.arange(size)) < c
-            xb = jax.lax.dynamic_slice_in_dim(xs, r0, size)
-            gub = jax.lax.dynamic_slice_in_dim(gus, r0, size).astype(dt)
-            dyb = jnp.where(valid[:, None], jax.lax.dynamic_slice_in_dim(dys, r0, size), 0)
-            h, swiglu_vjp = jax.vjp(swiglu_split, gub)
-            dgu = up(swiglu_vjp(matmul_f32(dyb, wd.T).astype(dt))[0])  # [size, 2I]
-            dxs = jax.lax.dynamic_update_slice_in_dim(dxs, matmul_f32(dgu, wgu.T), r0, axis=0)
-            return matmul_f32(xb.T, dgu), matmul_f32(up(h).T, dyb), dxs
+        def one(j, acc):
+            gut, gdt, dxs = acc
+            g1, g2, dxr = chunk(e, wgu, wd, Bb, j * Bb)
+            r0 = rows.seg_start[e] + j * Bb
+            mine = ((j * Bb + jnp.arange(Bb)) < rows.counts[e])[:, None]
+            dxr = jnp.where(mine, dxr, jax.lax.dynamic_slice_in_dim(dxs, r0, Bb))  # the next experts' rows kept
+            return gut + g1, gdt + g2, jax.lax.dynamic_update_slice_in_dim(dxs, dxr, r0, axis=0)
 
-        def tail(off, dxs):  # the last rem < Bb rows, in the smallest block of a multiple of 8 rows that holds them
-            which = jnp.clip((rem + 7) // 8 - 1, 0, len(tail_sizes) - 1)
-            return jax.lax.switch(which, [partial(block, t) for t in tail_sizes], off, dxs)
+        acc0 = (jnp.zeros((2 * I, D), F32), jnp.zeros((D, I), F32), dxs)
+        gut, gdt, dxs = jax.lax.fori_loop(0, (rows.counts[e] + Bb - 1) // Bb, one, acc0)
+        return dxs, put(stacks, e, gut, gdt)
 
-        def add(acc, part):
-            return acc[0] + part[0], acc[1] + part[1], part[2]
-
-        # the first block outside the accumulating loop: an expert with one block (most, at T <= 512) adds nothing
-        acc = jax.lax.cond(n_full > 0, lambda d: block(Bb, 0, d), lambda d: tail(0, d), dxs)
-        acc = jax.lax.fori_loop(1, n_full, lambda j, a: add(a, block(Bb, j * Bb, a[2])), acc)
-        agu, ad, dxs = jax.lax.cond((n_full > 0) & (rem > 0), lambda a: add(a, tail(n_full * Bb, a[2])),
-                                    lambda a: a, acc)
-        grads = (agu[:, :I], agu[:, I:], ad)
-        return dxs, tuple(put(s, e, a, n) for s, a, n in zip(stacks, grads, names))
-
-    def maybe_expert(e, carry):
-        return jax.lax.cond(rows.counts[e] > 0, expert_body, lambda e, c: c, e, carry)
-
-    dxs, stacks = jax.lax.fori_loop(0, E, maybe_expert, (jnp.zeros((R, D), F32), stack0))
+    carry = jax.lax.fori_loop(0, rows.n_used, expert_body, (jnp.zeros((R, D), F32), stack0))
+    over = jnp.argsort(rows.counts <= Bb, stable=True).astype(jnp.int32)  # experts with > Bb rows first
+    dxs, stacks = jax.lax.fori_loop(0, jnp.sum(rows.counts > Bb).astype(jnp.int32), overflow_body, carry)
     dx = jnp.sum(dxs[:A][inv].reshape(N, k, D), axis=1).astype(dt)
-    dp = {n: jax.lax.bitcast_convert_type(s, p[n].dtype) if bits[n] is not None else s
+    dp = {n: jnp.swapaxes(jax.lax.bitcast_convert_type(s, p[n].dtype) if bits[n] is not None else s, 1, 2)
           for n, s in zip(names, stacks)}
     return dp, dx, None, dw
 
@@ -298,25 +375,24 @@ def _routed_blocked_bwd(limit, Bs, res, dout):
 _routed_blocked.defvjp(_routed_blocked_fwd, _routed_blocked_bwd)
 
 
-# rows per block of the VJP's loop; None: `block_rows`' choice (tools: set to measure another size)
+# the VJP's largest chunk of rows (`bwd_chunk_sizes`' cap) when `routed_experts_blocked` is not given one; None: 512
 BWD_BLOCK: int | None = None
 
 
-def bwd_block_rows(n_assign: int, n_experts: int) -> int:
-    """Row-block size of the blocked path's VJP: `BWD_BLOCK`, else the forward's (`block_rows`)."""
-    return BWD_BLOCK or block_rows(n_assign, n_experts)
-
-
 def routed_experts_blocked(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, limit: float | None,
-                           block: int | None = None) -> jnp.ndarray:
+                           block: int | None = None, bwd_block: int | None = None) -> jnp.ndarray:
     """Fast path, same result as `routed_experts_dense` (facts §5.5): only the selected experts are computed.
 
     The A = N·k assignments are stably sorted by expert id and cut into row blocks of Bs rows (`block_rows`), one
     expert's rows per block (`_expert_rows`). Exact (no capacity, no dropping). Differentiable through its own VJP
     (`_routed_blocked_bwd`: reverse-mode AD cannot go through the loop's routing-dependent trip counts, and plain AD
-    of a static-length form scattered every block's gradient into the whole expert stacks)."""
-    Bs = block or block_rows(idx.size, p["experts_gate"].shape[0])
-    return _routed_blocked({n: p[n] for n in ("experts_gate", "experts_up", "experts_down")}, x, idx, w, limit, Bs)
+    of a static-length form scattered every block's gradient into the whole expert stacks); `bwd_block` caps its
+    largest chunk (`bwd_chunk_sizes`)."""
+    E = p["experts_gate"].shape[0]
+    Bs = block or block_rows(idx.size, E)
+    Bb = bwd_chunk_sizes(x.shape[0], idx.size, E, bwd_block or BWD_BLOCK)[-1]
+    return _routed_blocked({n: p[n] for n in ("experts_gate", "experts_up", "experts_down")}, x, idx, w, limit, Bs,
+                           Bb)
 
 
 def _upcast_cpu(a: jnp.ndarray) -> jnp.ndarray:

@@ -476,13 +476,14 @@ class CheckpointReader:
 
 
 # ----------------------------------------------------------------------------------------- JAX layout -> HF layout
-def to_hf_layout(cfg: Ling3Config, i: int, p: Mapping) -> dict[str, np.ndarray]:
+def to_hf_layout(cfg: Ling3Config, i: int, p: Mapping, experts_hf: bool = False) -> dict[str, np.ndarray]:
     """The inverse of `convert_layer`'s layout mapping: layer-i params in the JAX layout (or anything of the same
     structure and shapes, e.g. their gradients) -> {official suffix relative to `model.layers.{i}.`: array in the HF
     shape}, dtypes kept. Used for weight gradients under HF names (issue 26): every step of the forward mapping is a
     pure re-layout (transpose, drop of a unit axis, stacking), whose VJP is the inverse re-layout, so the gradient of
     an HF tensor is the JAX-layout gradient mapped back. `convert_layer(to_hf_layout(p))` gives p back
-    (tests/test_backward_replay.py)."""
+    (tests/test_backward_replay.py). `experts_hf`: p's routed-expert stacks are in the HF layout [E, out, in]
+    already (`jax_ling3.backward.experts_to_hf`), each expert's matrix is a view of them."""
     T = lambda a: np.ascontiguousarray(np.asarray(a).T)  # noqa: E731  [in, out] -> [out, in]
     out = {"input_layernorm.weight": np.asarray(p["input_layernorm"]),
            "post_attention_layernorm.weight": np.asarray(p["post_attention_layernorm"])}
@@ -506,9 +507,9 @@ def to_hf_layout(cfg: Ling3Config, i: int, p: Mapping) -> dict[str, np.ndarray]:
         out["mlp.gate.weight"] = T(mlp["router"])
         out["mlp.gate.expert_bias"] = np.asarray(mlp["expert_bias"])
         for n, src in (("gate_proj", "experts_gate"), ("up_proj", "experts_up"), ("down_proj", "experts_down")):
-            stacked = np.asarray(mlp[src])  # [E, in, out]
+            stacked = np.asarray(mlp[src])  # [E, in, out]; with experts_hf [E, out, in] already
             for e in range(stacked.shape[0]):
-                out[f"mlp.experts.{e}.{n}.weight"] = np.ascontiguousarray(stacked[e].T)
+                out[f"mlp.experts.{e}.{n}.weight"] = stacked[e] if experts_hf else np.ascontiguousarray(stacked[e].T)
         if cfg.has_shared_expert:
             for n in ("gate_proj", "up_proj", "down_proj"):
                 out[f"mlp.shared_experts.{n}.weight"] = T(mlp[f"shared_{n}"])

@@ -204,7 +204,8 @@ class ReferenceTarget(Target):
                        forced_topk: np.ndarray | None = None) -> BackwardResult:
         """`jax.vjp` of the same layer function `layer_forward` runs (`_layer_pure_fn`, a mutant's too), through the
         suite's helper (`parity.targets.backward.layer_vjp`); weight gradients mapped back to HF names and shapes
-        (`weights.to_hf_layout`)."""
+        (`weights.to_hf_layout`; the routed experts' stacks come out of the jitted VJP in the HF layout already,
+        `backward.experts_to_hf`)."""
         import jax.numpy as jnp
 
         from parity.jax_ling3.spec import dtype_of
@@ -214,8 +215,9 @@ class ReferenceTarget(Target):
         dt = dtype_of(self.dtype)
         fi = None if forced_topk is None else jnp.asarray(forced_topk, jnp.int32)
         dh, dp, dpr = self._backward_fn()(self.params[i], jnp.asarray(hidden, dt), jnp.asarray(positions, jnp.int32),
-                                          jnp.asarray(cotangent, dt), fi, spec=spec)
-        grads = {k: v for k, v in to_hf_layout(self.cfg, i, dp).items() if k not in self.NOT_TRAINABLE}
+                                          jnp.asarray(cotangent, dt), fi, spec=spec, hf_experts=True)
+        grads = {k: v for k, v in to_hf_layout(self.cfg, i, dp, experts_hf=True).items()
+                 if k not in self.NOT_TRAINABLE}
         return BackwardResult(np.asarray(dh), grads, {k: np.asarray(v) for k, v in dpr.items()})
 
     def head_backward(self, hidden: np.ndarray, d_logits: np.ndarray, d_final_norm: np.ndarray | None = None
