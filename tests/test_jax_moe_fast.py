@@ -144,8 +144,7 @@ def test_row_buffer_never_bf16():
 @pytest.mark.parametrize("D,I", [(512, 256), (1536, 512)], ids=["mid", "ling3-tiny-width"])
 def test_block_rows_cap_and_block_size_invariance(D, I):
     """`block_rows` stays in [8, 32]; and row results do not depend on the block size within that range (what the
-    cap relies on: a row's bits do not depend on how many rows its expert got, nor on the size of the tail block its
-    last rows go in: `_expert_rows`' tails of a multiple of 8 rows), at a mid-size shape and at Ling3-Tiny's widths
+    cap relies on: a row's bits do not depend on how many rows its expert got, nor on the block size its rows go in), at a mid-size shape and at Ling3-Tiny's widths
     (D=1536, I=512), where T >= 512 gives 32-row blocks. Block 8 is a GEMM of 8 rows only; the others mix full
     blocks with tails of 8-32 rows."""
     assert moe.block_rows(4096, 128) == 32 and moe.block_rows(16384, 128) == 32 and moe.block_rows(10, 128) == 8

@@ -165,64 +165,43 @@ def _first_holding(sizes: tuple[int, ...], n):
     return jnp.sum(jnp.asarray(sizes) < n).astype(jnp.int32)
 
 
-def _tail_sizes(Bs: int) -> tuple[int, ...]:
-    """The forward's tail-block sizes: the multiples of 8 up to Bs (Bs itself when Bs is not a multiple of 8)."""
-    return tuple(range(8, Bs + 1, 8)) if Bs % 8 == 0 else (Bs,)
-
-
 def _expert_rows(p: dict, x: jnp.ndarray, rows: _Rows, limit: float | None, Bs: int, save: bool):
-    """The blocked loop: every used expert's row blocks, [size, D] x [D, I] GEMMs with that expert's weights only.
+    """The blocked loop: every used expert's row blocks, [Bs, D] x [D, I] GEMMs with that expert's weights only.
 
-    A loop over the experts (skipping unused ones) upcasts the expert's weights once and runs its count // Bs full
-    blocks of Bs rows, then its remaining rows (if any) in one tail block of the next multiple of 8 rows (a
-    `lax.switch` over the static sizes `_tail_sizes(Bs)`, its outputs zero-padded to Bs rows), written at their
-    sorted rows. A block's rows have the same bits whatever the block's row count within [8, 32] (`block_rows`), so
-    the tail's size changes no output bit, only the padding (an expert with 33 rows ran two 32-row blocks, now 32 +
-    8 rows). A block's rows past its expert's count spill onto the next experts' first rows; experts run in
-    ascending order, so the next experts' own blocks overwrite them (the buffer has Bs spare rows for the last one).
-    Returns ys [A+Bs, D], and with `save` also the rows' g and u [A+Bs, I] (the VJP's residuals).
+    A loop over the experts (skipping unused ones) takes the expert's weights once (`_expert_weights`) and runs its
+    ceil(count/Bs) blocks, written at their sorted rows. The last block of an expert spills onto the next expert's
+    first rows; experts run in ascending order, so the next expert's own blocks overwrite them (the buffer has Bs
+    spare rows for the last one). Returns ys [A+Bs, D], and with `save` also the rows' g and u [A+Bs, I] (the VJP's
+    residuals). Tail blocks of the next multiple of 8 rows (a `lax.switch` over the sizes) were tried: the same bits
+    and no measurable speed-up (GEMMs of <= 32 rows run XLA:CPU's small-matrix kernel either way), at ~12 % more cold
+    compile time of a MoE layer's replay (tiny-flash-bf16 layers 0, 1, 3 with backward: 62.2 vs 55.6 s, one core,
+    2026-11-28), so the blocks stay Bs rows.
 
     The buffers are fp32 and receive each block's outputs already rounded to the activation dtype (so they hold
     exactly the dt values): XLA:CPU has no bf16 dynamic-update-slice, so a bf16 buffer was converted to fp32 and
     back in full on every block (3.3 ms per block, a third of the loop at Ling3-Tiny T=512, jax.profiler trace).
-    tests/test_jax_moe_fast.py checks the compiled loop for that. The tail's `lax.switch` returns its rows instead
-    of carrying the buffers (carrying them made this loop ~2x slower at Ling3-Tiny T=512, measured); the `lax.cond`
-    that skips unused experts carries them as before (a loop over the used experts only measured slower here)."""
+    tests/test_jax_moe_fast.py checks the compiled loop for that."""
     dt = x.dtype
     D, I = x.shape[-1], p["experts_gate"].shape[-1]
     E = p["experts_gate"].shape[0]
     R = rows.tok.shape[0]
     up = _up()
     xs = up(x[rows.tok])  # once, not per block
-    tails = _tail_sizes(Bs)
     slabs = [_expert_weights(p[n], dt) for n in ("experts_gate", "experts_up", "experts_down")]
 
-    def expert_body(e, bufs):  # one used expert: (upcast its weights once, then) its row blocks
+    def expert_body(e, bufs):  # one used expert: (its weights once, then) its ceil(count/Bs) row blocks
         wg, wu, wd = (slab(e) for slab in slabs)
 
-        def block(size, xb):  # the outputs of the first `size` of the Bs rows xb, fp32 holding dt values, padded
-            xb = xb[:size]
+        def block_body(j, bufs):
+            r0 = rows.seg_start[e] + j * Bs
+            xb = jax.lax.dynamic_slice_in_dim(xs, r0, Bs)
             g = matmul_f32(xb, wg).astype(dt)
             u = matmul_f32(xb, wu).astype(dt)
             y = matmul_f32(up(swiglu(g, u, limit)), wd).astype(dt)
-            return tuple(jnp.pad(v.astype(F32), ((0, Bs - size), (0, 0))) for v in ((y, g, u) if save else (y,)))
+            return tuple(jax.lax.dynamic_update_slice_in_dim(b, v.astype(F32), r0, axis=0)
+                         for b, v in zip(bufs, (y, g, u) if save else (y,)))
 
-        def write(bufs, r0, outs):
-            return tuple(jax.lax.dynamic_update_slice_in_dim(b, v, r0, axis=0) for b, v in zip(bufs, outs))
-
-        def rows_at(r0):
-            return jax.lax.dynamic_slice_in_dim(xs, r0, Bs)
-
-        c = rows.counts[e]
-        n_full = c // Bs
-        rem = c - n_full * Bs
-        bufs = jax.lax.fori_loop(0, n_full, lambda j, b: write(b, rows.seg_start[e] + j * Bs,
-                                                               block(Bs, rows_at(rows.seg_start[e] + j * Bs))), bufs)
-        # the tail; none (rem = 0): zeros, written onto the next experts' first rows like a spill
-        none = lambda xb: tuple(jnp.zeros((Bs, b.shape[1]), F32) for b in bufs)  # noqa: E731
-        which = (rem > 0) * (1 + _first_holding(tails, rem))
-        r0 = rows.seg_start[e] + n_full * Bs
-        return write(bufs, r0, jax.lax.switch(which, [none] + [partial(block, t) for t in tails], rows_at(r0)))
+        return jax.lax.fori_loop(0, (rows.counts[e] + Bs - 1) // Bs, block_body, bufs)
 
     bufs = (jnp.zeros((R, D), F32),) + ((jnp.zeros((R, I), F32), jnp.zeros((R, I), F32)) if save else ())
     bufs = jax.lax.fori_loop(0, E, lambda e, b: jax.lax.cond(rows.counts[e] > 0, expert_body, lambda e, b: b, e, b),
