@@ -483,39 +483,48 @@ def to_hf_layout(cfg: Ling3Config, i: int, p: Mapping, experts_hf: bool = False)
     pure re-layout (transpose, drop of a unit axis, stacking), whose VJP is the inverse re-layout, so the gradient of
     an HF tensor is the JAX-layout gradient mapped back. `convert_layer(to_hf_layout(p))` gives p back
     (tests/test_backward_replay.py). `experts_hf`: p's routed-expert stacks are in the HF layout [E, out, in]
-    already (`jax_ling3.backward.experts_to_hf`), each expert's matrix is a view of them."""
+    already (`jax_ling3.backward.experts_to_hf`), each expert's matrix is a view of them. A leaf None (a gradient
+    not computed, e.g. of a weight an isolated site does not read) gives no entry."""
+    out: dict[str, np.ndarray] = {}
+
+    def put(name: str, a, how=np.asarray) -> None:
+        if a is not None:
+            out[name] = how(a)
+
     T = lambda a: np.ascontiguousarray(np.asarray(a).T)  # noqa: E731  [in, out] -> [out, in]
-    out = {"input_layernorm.weight": np.asarray(p["input_layernorm"]),
-           "post_attention_layernorm.weight": np.asarray(p["post_attention_layernorm"])}
+    put("input_layernorm.weight", p["input_layernorm"])
+    put("post_attention_layernorm.weight", p["post_attention_layernorm"])
     att, mlp = p["attention"], p["mlp"]
     if cfg.layer_kind(i) == "kda":
         for n in ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj", "b_proj", "o_proj"):
-            out[f"attention.{n}.weight"] = T(att[n])
+            put(f"attention.{n}.weight", att[n], T)
         for n in ("q_conv1d", "k_conv1d", "v_conv1d"):
-            out[f"attention.{n}.weight"] = np.asarray(att[n])[:, None, :]  # [P,W] -> [P,1,W]
-        out["attention.A_log"] = np.asarray(att["A_log"])
-        out["attention.dt_bias"] = np.asarray(att["dt_bias"])
-        out["attention.o_norm.weight"] = np.asarray(att["o_norm"])
+            put(f"attention.{n}.weight", att[n], lambda a: np.asarray(a)[:, None, :])  # [P,W] -> [P,1,W]
+        put("attention.A_log", att["A_log"])
+        put("attention.dt_bias", att["dt_bias"])
+        put("attention.o_norm.weight", att["o_norm"])
     else:
         names = ("q_a_proj", "q_b_proj") if cfg.q_lora else ("q_proj",)
         for n in (*names, "kv_a_proj_with_mqa", "kv_b_proj", "g_proj", "dense"):
-            out[f"attention.{n}.weight"] = T(att[n])
+            put(f"attention.{n}.weight", att[n], T)
         norms = ("q_a_layernorm", "kv_a_layernorm") if cfg.q_lora else ("kv_a_layernorm",)
         for n in norms:
-            out[f"attention.{n}.weight"] = np.asarray(att[n])
+            put(f"attention.{n}.weight", att[n])
     if cfg.is_moe(i):
-        out["mlp.gate.weight"] = T(mlp["router"])
-        out["mlp.gate.expert_bias"] = np.asarray(mlp["expert_bias"])
+        put("mlp.gate.weight", mlp["router"], T)
+        put("mlp.gate.expert_bias", mlp["expert_bias"])
         for n, src in (("gate_proj", "experts_gate"), ("up_proj", "experts_up"), ("down_proj", "experts_down")):
+            if mlp[src] is None:
+                continue
             stacked = np.asarray(mlp[src])  # [E, in, out]; with experts_hf [E, out, in] already
             for e in range(stacked.shape[0]):
                 out[f"mlp.experts.{e}.{n}.weight"] = stacked[e] if experts_hf else np.ascontiguousarray(stacked[e].T)
         if cfg.has_shared_expert:
             for n in ("gate_proj", "up_proj", "down_proj"):
-                out[f"mlp.shared_experts.{n}.weight"] = T(mlp[f"shared_{n}"])
+                put(f"mlp.shared_experts.{n}.weight", mlp[f"shared_{n}"], T)
     else:
         for n in ("gate_proj", "up_proj", "down_proj"):
-            out[f"mlp.{n}.weight"] = T(mlp[n])
+            put(f"mlp.{n}.weight", mlp[n], T)
     return out
 
 

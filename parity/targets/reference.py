@@ -397,8 +397,8 @@ class ReferenceTarget(Target):
                            ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
         """Isolated backward (protocol: `Target.submodule_backward`, issue 33): `jax.vjp` of the very site function
         `submodule` runs (`ISOLATED_SITES`), at prefill, at the dumped `inputs`, fed the dumped `cotangent` of the
-        site's output. Returns ({float input site: its cotangent}, {HF name relative to the layer: gradient}) — every
-        trainable parameter of the layer, zero where the site does not read it (the caller keeps the site's own)."""
+        site's output. Returns ({float input site: its cotangent}, {HF name relative to the layer: gradient}) — the
+        trainable parameters the site reads (`_leaves_read`; the caller keeps the site's own)."""
         import jax.numpy as jnp
 
         from parity.jax_ling3.weights import to_hf_layout
@@ -700,15 +700,40 @@ def _isolated(p, x, st, site, spec):
 def _isolated_vjp(p, x, ct, site, spec):
     """(dx, dp): the VJP of site `site`'s function (`_isolated`, prefill: no state) at params p and inputs x, fed the
     cotangent ct of its output. dx holds the floating inputs only: integer inputs (top-k ids, positions) select,
-    they are not differentiated (as the layer's backward forces routing). dp has p's structure."""
+    they are not differentiated (as the layer's backward forces routing). dp has p's structure, None at every
+    weight the site does not read (`_leaves_read`)."""
     import jax
     import jax.numpy as jnp
 
     fixed = {k: v for k, v in x.items() if not jnp.issubdtype(v.dtype, jnp.floating)}
     floats = {k: v for k, v in x.items() if k not in fixed}
-    out, vjp = jax.vjp(lambda pp, xf: _isolated(pp, {**fixed, **xf}, None, site, spec), p, floats)
-    dp, dx = vjp(ct.astype(out.dtype))  # the cotangent in the output's dtype, as torch's autograd hands it on
-    return dx, dp
+    leaves, tree = jax.tree.flatten(p)
+    read = _leaves_read(lambda ls: _isolated(tree.unflatten(ls), x, None, site, spec), leaves)
+
+    def site_fn(read_leaves, xf):
+        full = list(leaves)
+        for j, leaf in zip(read, read_leaves):
+            full[j] = leaf
+        return _isolated(tree.unflatten(full), {**fixed, **xf}, None, site, spec)
+
+    out, vjp = jax.vjp(site_fn, [leaves[j] for j in read], floats)
+    d_read, dx = vjp(ct.astype(out.dtype))  # the cotangent in the output's dtype, as torch's autograd hands it on
+    d_leaves = [None] * len(leaves)
+    for j, g in zip(read, d_read):
+        d_leaves[j] = g
+    return dx, tree.unflatten(d_leaves)
+
+
+def _leaves_read(fn, leaves: list) -> list[int]:
+    """Indices of the leaves `fn(leaves)` reads (its jaxpr's inputs that some equation or output uses). A site
+    reads a few of its layer's weights: differentiating only those keeps the VJP from materialising a zero
+    gradient for every other weight (the expert stacks included), which was most of an isolated VJP's compile and
+    run time (issue 35)."""
+    import jax
+
+    closed = jax.make_jaxpr(fn)([jax.ShapeDtypeStruct(l.shape, l.dtype) for l in leaves])
+    used = {id(v) for e in closed.jaxpr.eqns for v in e.invars} | {id(v) for v in closed.jaxpr.outvars}
+    return [j for j, v in enumerate(closed.jaxpr.invars) if id(v) in used]
 
 
 def _make_isolated_jit(fn=None):
