@@ -187,11 +187,13 @@ BEYOND_SLICE: dict[str, str] = {
         "tests/test_no_false_alarms.py (the kept seeds); these check the full sweep itself",
     # ---- round two: what the estimate from the cold profile still needed ----
     # the bundled goldens' backward points (~170 worker-seconds of cold layer-VJP compiles): README command one
-    # (`pytest parity`) replays them, and so does CI (.ci/run's full-sweep part); the forward points stay here, and
-    # the backward phase's own tests (test_backward_replay, test_backward_mutations, test_isolated_backward,
-    # test_parity_modes' isolated tiny-flash-bf16) replay golden backward points in this slice
+    # (`pytest parity`) replays them (CI does not: .ci/run has no full-sweep part); the forward points stay here, and
+    # the backward phase's own tests replay golden backward points in this slice: test_backward_mutations' clean
+    # baselines (units of tiny-fp32 and tiny-flash-bf16), test_mtp_semantics_replay (the whole official golden, its
+    # backward included), test_parity_modes' isolated tiny-flash-bf16 (every layer's isolated backward points)
     "parity/test_points.py::test_point[*/backward/*]":
-        "README command one and CI replay them; the forward points stay; backward: tests/test_backward_mutations.py",
+        "README command one replays them; the forward points stay; backward: tests/test_backward_mutations.py, "
+        "tests/test_mtp_semantics_replay.py, tests/test_parity_modes.py (isolated)",
     # backward mutants in bf16: one per part of the backward stays (the KDA gate, the thinnest margin; the MLA head
     # gate; the router weights; the embedding gradient)
     "tests/test_backward_mutations.py::test_backward_mutant_pinned_on_golden[bw_shared_expert_grad_twice-bfloat16]":

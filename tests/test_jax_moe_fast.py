@@ -138,7 +138,11 @@ def test_row_buffer_never_bf16():
     rows = N * k + moe.block_rows(N * k, E)
     hlo = _jit(moe.routed_experts_blocked).lower(p, x, idx, w, limit=None).compile().as_text()
     assert re.search(rf"\[{rows},{D}\]", hlo), f"no [{rows},{D}] row buffer in the compiled HLO: the guard is stale"
-    assert not re.search(rf"bf16\[{rows},{D}\]", hlo), "the row buffer is bf16 in the compiled loop"
+    # the buffer is what a while loop carries and a dynamic-update-slice writes (a bf16 [rows, D] value inside a
+    # fusion, e.g. the gathered rows rounded to bf16 before their GEMM, is no buffer)
+    carried = [ln for ln in hlo.splitlines() if " while(" in ln or "dynamic-update-slice(" in ln]
+    assert any(f"[{rows},{D}]" in ln for ln in carried), "no loop carries the row buffer: the guard is stale"
+    assert not [ln for ln in carried if f"bf16[{rows},{D}]" in ln], "the row buffer is bf16 in the compiled loop"
 
 
 @pytest.mark.parametrize("D,I", [(512, 256), (1536, 512)], ids=["mid", "ling3-tiny-width"])

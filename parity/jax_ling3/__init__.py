@@ -33,7 +33,7 @@ def _reference_compiler_options() -> dict:
     XLA's defaults)."""
     if os.environ.get("LING3_REFERENCE_XLA_DEFAULTS", "").strip() in ("1", "true", "yes"):
         return {}
-    return {"xla_allow_excess_precision": False, **_MEMORY_LEAN_CPU_SCHEDULE}
+    return {"xla_allow_excess_precision": False, **_MEMORY_LEAN_CPU_SCHEDULE, **_legacy_cpu_emitters()}
 
 
 # XLA:CPU's default (concurrency-optimised) scheduler starts every weight's fp32 upcast early, so all of a layer's
@@ -42,6 +42,25 @@ def _reference_compiler_options() -> dict:
 # 89 -> 56 MB at T=512; the same bits (scheduling only); not slower (KDA+dense T=512 on one core: 1.29 vs 1.42 s).
 # A CPU option (other backends ignore it); per computation like the flag above (issue 17, README "Performance").
 _MEMORY_LEAN_CPU_SCHEDULE = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
+
+def _legacy_cpu_emitters() -> dict:
+    """XLA:CPU's MLIR fusion emitters (its default in jaxlib 0.10) spend most of a small program's compile setting
+    up MLIR passes; its older emitters compile the reference's programs ~40 % faster and give the same bits
+    (measured 2026-11-28, jaxlib 0.10.2, 2-core Xeon VM, one core, cache off: a trivial jit 0.24 -> 0.085 s; the
+    tiny-bf16 golden's layer replay 17-19 -> 10-11 s of compile; every point of the five goldens in layer and
+    isolated mode, forward and backward — 13,255 arrays — hashed identical; Ling3-Tiny-shaped layers at T=512 warm
+    0-15 % faster, same output bits). Compile time is most of the test suite's time (issue 35). Applied only on
+    the jaxlib minor version it was measured on: another may not know the option (a compile error) or may emit
+    other code; tests/test_reference_options.py pins the bits."""
+    try:
+        from importlib.metadata import version
+
+        major, minor = (int(x) for x in version("jaxlib").split(".")[:2])
+    except Exception:  # no jaxlib metadata: leave XLA's default
+        return {}
+    return {"xla_cpu_use_fusion_emitters": False} if (major, minor) == (0, 10) else {}
 
 
 REFERENCE_COMPILER_OPTIONS = _reference_compiler_options()
