@@ -110,6 +110,7 @@ def main() -> None:
         sampler.reset()
         jt, jc = [], []
         for _ in range(a.reps):
+            res = None  # one call's result alive at a time, as in a replay (not the last rep's beside this one's)
             t0, c0 = time.perf_counter(), time.process_time()
             res = t.layer_backward(i, hn, np.arange(a.T), cn, fi)
             jt.append(time.perf_counter() - t0)
