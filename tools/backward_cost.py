@@ -99,6 +99,7 @@ def main() -> None:
         sampler = PeakRss()
         t.load_layer(i, tensors)
         del tensors
+        peak_load, after_load = sampler.peak() - base, rss_bytes() - base  # the loader's part of the first peak
         hn = h.float().numpy() if a.dtype == "float32" else h.view(torch.int16).numpy().view("bfloat16")
         cn = cot.float().numpy() if a.dtype == "float32" else cot.view(torch.int16).numpy().view("bfloat16")
         t0 = time.perf_counter()
@@ -126,7 +127,8 @@ def main() -> None:
         wg = 2 * wbytes
         print(f"layer {i} {kind} T={a.T} memory: weights+grads {wg / GB:.3f} GB, activations (twin's saved) "
               f"{act / GB:.3f} GB, bound 2x(sum) {2 * (wg + act) / GB:.3f} GB; JAX peak RSS over its start: first call "
-              f"{peak_first / GB:.2f} GB = {rss_bound_ratio(peak_first, wbytes, act):.2f}x, warm calls "
+              f"{peak_first / GB:.2f} GB = {rss_bound_ratio(peak_first, wbytes, act):.2f}x (loading the layer: peak "
+              f"{peak_load / GB:.2f} GB, after it {after_load / GB:.2f} GB), warm calls "
               f"{peak_warm / GB:.2f} GB = {rss_bound_ratio(peak_warm, wbytes, act):.2f}x of (weights+grads+"
               f"activations); twin peak RSS over its start {twin_peak / GB:.2f} GB; JAX outputs: grads "
               f"{_nbytes(res.param_grads.values()) / GB:.3f} GB, d input {res.input_grad.nbytes / GB:.3f} GB, probe "
