@@ -74,19 +74,6 @@ def xla_memory(compiled: Any) -> dict[str, int]:
     return {k: int(getattr(ma, v)) for k, v in names.items() if getattr(ma, v, None) is not None}
 
 
-def release_free_heap() -> None:
-    """Give the heap's free pages back to the OS (glibc `malloc_trim`; a no-op elsewhere) before a baseline RSS is
-    read: memory an earlier step freed but glibc kept would otherwise be reused unseen, and a peak above that baseline
-    would read low."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def rss_bytes() -> int:
     """This process's resident set size (Linux /proc)."""
     with open("/proc/self/statm") as f:

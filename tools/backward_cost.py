@@ -13,10 +13,10 @@ checkpoint bytes), the activations (bytes the twin's autograd saves for the back
 excluded), the JAX side's peak RSS above the process's RSS before it loads the layer, for the first call (with its
 compilation or cache load) and for the warm calls alone, each / (weights + gradients + activations) — the issue's
 bound is <= 2 — and the twin's peak RSS above its start (its weights already resident) as a second reading. Each
-baseline, and the warm calls' start, is read after `malloc_trim` (`release_free_heap`: memory glibc keeps from an
-earlier step would be reused unseen and a peak would read low). The JAX outputs are split into weight gradients,
-dL/d input and the probes' sub-module cotangents; `--xla-memory` adds `compiled.memory_analysis()` of the layer VJP
-(XLA temporaries, arguments, outputs)."""
+baseline, and the warm calls' start, is read after `malloc_trim` (`reference.release_freed_heap`: memory glibc keeps
+from an earlier step would be reused unseen and a peak would read low). The JAX outputs are split into weight
+gradients, dL/d input and the probes' sub-module cotangents; `--xla-memory` adds `compiled.memory_analysis()` of the
+layer VJP (XLA temporaries, arguments, outputs)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,7 @@ apply_isa_cap()  # before torch and jax are imported: each library reads its ISA
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from parity.backward_cost import (GB, PeakRss, release_free_heap, rss_bound_ratio, rss_bytes,  # noqa: E402
-                                  saved_activation_bytes)
+from parity.backward_cost import GB, PeakRss, rss_bound_ratio, rss_bytes, saved_activation_bytes  # noqa: E402
 
 
 def main() -> None:
@@ -46,7 +45,7 @@ def main() -> None:
     ap.add_argument("--xla-memory", action="store_true", help="also print compiled.memory_analysis() of the VJP")
     a = ap.parse_args()
     from parity.jax_ling3.weights import CheckpointReader
-    from parity.targets.reference import ReferenceTarget
+    from parity.targets.reference import ReferenceTarget, release_freed_heap
     from parity.torch_ref.loader import load_model
 
     print(f"ISA caps: {describe_caps()}", flush=True)
@@ -72,7 +71,7 @@ def main() -> None:
             hk = lay.mlp.gate.tap_topk_idx.register_forward_hook(lambda m, x, o: topk.__setitem__("idx", o))
         times, ctimes = [], []
         print(f"layer {i}: twin backward ...", file=sys.stderr, flush=True)
-        release_free_heap()
+        release_freed_heap()
         tbase, tsampler, act = rss_bytes(), PeakRss(), 0
         for _ in range(a.reps):
             x = h.clone().requires_grad_(True)
@@ -92,7 +91,7 @@ def main() -> None:
         fi = None if "idx" not in topk else np.sort(topk["idx"].numpy(), -1).astype(np.int32)
         print(f"layer {i}: twin {times}; JAX ...", file=sys.stderr, flush=True)
         del x
-        release_free_heap()  # the twin's freed memory: not reused unseen by the JAX side
+        release_freed_heap()  # the twin's freed memory: not reused unseen by the JAX side
         base = rss_bytes()
         tensors = r.hf_tensors(i)
         wbytes = sum(np.asarray(v).nbytes for v in tensors.values())
@@ -107,7 +106,7 @@ def main() -> None:
         first = time.perf_counter() - t0
         peak_first = sampler.peak() - base
         del res
-        release_free_heap()  # the warm calls' peak, not the compilation's heap that glibc keeps
+        release_freed_heap()  # the warm calls' peak, not the compilation's heap that glibc keeps
         sampler.reset()
         jt, jc = [], []
         for _ in range(a.reps):
