@@ -122,7 +122,8 @@ def main() -> None:
         jw, tw = statistics.median(jt), statistics.median(times)
         jcpu, tcpu = statistics.median(jc), statistics.median(ctimes)
         print(f"layer {i} {kind} T={a.T}: JAX first {first:.2f} s, JAX warm {jw:.2f} s, twin {tw:.2f} s, "
-              f"ratio {jw / tw:.2f}x; CPU time JAX {jcpu:.2f} s, twin {tcpu:.2f} s, ratio {jcpu / tcpu:.2f}x", flush=True)
+              f"ratio {jw / tw:.2f}x; CPU time JAX {jcpu:.2f} s, twin {tcpu:.2f} s, ratio {jcpu / tcpu:.2f}x",
+              flush=True)
         wg = 2 * wbytes
         print(f"layer {i} {kind} T={a.T} memory: weights+grads {wg / GB:.3f} GB, activations (twin's saved) "
               f"{act / GB:.3f} GB, bound 2x(sum) {2 * (wg + act) / GB:.3f} GB; JAX peak RSS over its start: first call "
