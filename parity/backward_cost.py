@@ -6,8 +6,9 @@ The issue's bound is "peak RSS <= 2x (weights + their gradients + activations)".
   weight's dtype, as torch's autograd gives them);
 - activations: the bytes torch autograd saves for the backward of the same layer on the same input, in the twin
   (`saved_activation_bytes`): every distinct storage packed by `torch.autograd.graph.saved_tensors_hooks` during
-  the forward, less the storages of the layer's parameters (weights are counted above; a saved view of a weight,
-  e.g. `w.t()` in `linear`, shares its storage). The layer's input counts when autograd saves it. This is an
+  the forward and still held by the graph when it returns, less the storages of the layer's parameters (weights are
+  counted above; a saved view of a weight, e.g. `w.t()` in `linear`, shares its storage). The layer's input counts
+  when autograd saves it. This is an
   independent measure (the eager framework's own need between forward and backward, not the JAX side's); a weight
   copy the twin computes in another dtype and saves counts as an activation, as autograd must keep it.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
@@ -36,28 +38,34 @@ def distinct_storage_bytes(records: Iterable[tuple[int, int]], exclude: Iterable
 
 
 @contextmanager
-def saved_tensor_log() -> Iterator[list[tuple[int, int]]]:
-    """Within the block, every tensor autograd saves for backward is logged as (storage data_ptr, storage nbytes).
-    Only numbers are kept (no reference), so the log does not extend any tensor's life."""
+def saved_tensor_log() -> Iterator[list[tuple[Any, int, int]]]:
+    """Within the block, every tensor autograd saves for backward is logged as (weak reference, storage data_ptr,
+    storage nbytes). No strong reference is kept, so the log does not extend any tensor's life; the backward unpacks
+    the same data."""
     import torch
 
-    log: list[tuple[int, int]] = []
+    log: list[tuple[Any, int, int]] = []
 
     def pack(t):
-        s = t.untyped_storage()
-        log.append((s.data_ptr(), s.nbytes()))
-        return t
+        # A detached alias (same storage, no grad_fn): the graph holds it alone, so its weak reference dies with the
+        # graph, and an output saved by its own grad_fn makes no reference cycle
+        a = t.detach()
+        s = a.untyped_storage()
+        log.append((weakref.ref(a), s.data_ptr(), s.nbytes()))
+        return a
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda a: a):
         yield log
 
 
 def saved_activation_bytes(forward: Callable[[], Any], params: Iterable[Any]) -> tuple[Any, int]:
-    """(forward's result, the activation bytes autograd saved while running it): distinct saved storages less the
-    storages of `params` (module doc)."""
+    """(forward's result, the activation bytes autograd holds for its backward): distinct saved storages still held
+    when the forward returns (a branch that does not reach the result frees its graph, and with it what it saved),
+    less the storages of `params` (module doc)."""
     with saved_tensor_log() as log:
         out = forward()
-    return out, distinct_storage_bytes(log, (p.untyped_storage().data_ptr() for p in params))
+    held = [(ptr, nbytes) for ref, ptr, nbytes in log if ref() is not None]
+    return out, distinct_storage_bytes(held, (p.untyped_storage().data_ptr() for p in params))
 
 
 def rss_bound_ratio(peak_bytes: float, weight_bytes: float, activation_bytes: float) -> float:

@@ -29,5 +29,17 @@ def test_a_tensor_saved_twice_is_counted_once():
     assert act == x.nbytes
 
 
+def test_what_a_dropped_branch_saved_is_not_counted():
+    x = torch.randn(5, 7, requires_grad=True)
+
+    def forward():
+        y = torch.sigmoid(x)  # saves its output; dropped below with its graph
+        del y
+        return torch.relu(x)  # saves its output
+
+    out, act = saved_activation_bytes(forward, [])
+    assert act == out.nbytes
+
+
 def test_rss_bound_ratio_counts_weights_twice():
     assert rss_bound_ratio(6.0, 1.0, 2.0) == 1.5
