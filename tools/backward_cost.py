@@ -1,24 +1,38 @@
 """Cost of the backward replay per layer kind (issue 26): the reference's `layer_backward` (jax.vjp of the layer,
 teacher-forced, routing forced) vs the twin's torch autograd backward of the same layer on the same input and
 cotangent (forward + backward, as `loss.backward()` runs it; the JAX VJP also runs the forward). Not a test:
-`python tools/backward_cost.py CKPT [--T 512] [--dtype bfloat16] [--reps 3]` (CKPT e.g. a 4-layer Ling3-Tiny
-from `tools/make_ckpt.py --preset ling3-tiny --layers 4`). Prints one line per layer: kind, JAX first call (compile +
-run), JAX warm (median of reps), twin (median of reps), ratio; the same medians in CPU time (`time.process_time`,
-all threads: on a shared machine pinned to one core, e.g. `taskset -c 1`, it counts only this process's share of the
-core, where wall time counts the other jobs too); the JAX side's peak RSS
-above the process's RSS before it loads the layer, against the layer's weights + their gradients (2x its
-checkpoint bytes). `--layers 3` measures only layer 3."""
+`python tools/backward_cost.py CKPT [--T 512] [--dtype bfloat16] [--reps 3] [--xla-memory]` (CKPT e.g. a 4-layer
+Ling3-Tiny from `tools/make_ckpt.py --preset ling3-tiny --layers 4`). `--layers 3` measures only layer 3.
+`LING3_PARITY_CPU_ISA=AVX2` runs it as on an AVX2-only CPU (`parity.cpu_isa`: caps oneDNN, MKL, ATen, XLA:CPU).
+
+Prints per layer: kind, JAX first call (compile or persistent-cache load + run), JAX warm (median of reps), twin
+(median of reps), ratio; the same medians in CPU time (`time.process_time`, all threads: on a shared machine pinned to
+one core, e.g. `taskset -c 1`, it counts only this process's share of the core, where wall time counts the other
+jobs too). Then memory (`parity.backward_cost` defines the terms): the layer's weights + their gradients (2x its
+checkpoint bytes), the activations (bytes the twin's autograd saves for the backward of the layer, parameters
+excluded), the JAX side's peak RSS above the process's RSS before it loads the layer, for the first call (with its
+compilation or cache load) and for the warm calls alone, each / (weights + gradients + activations) — the issue's
+bound is <= 2 — and the twin's peak RSS above its start (its weights already resident) as a second reading. Each
+baseline, and the warm calls' start, is read after `malloc_trim` (`reference.release_freed_heap`: memory glibc keeps
+from an earlier step would be reused unseen and a peak would read low). The JAX outputs are split into weight
+gradients, dL/d input and the probes' sub-module cotangents; `--xla-memory` adds `compiled.memory_analysis()` of the
+layer VJP (XLA temporaries, arguments, outputs)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import threading
+import sys
 import time
 
-import numpy as np
-import torch
+from parity.cpu_isa import apply_isa_cap, describe_caps
+
+apply_isa_cap()  # before torch and jax are imported: each library reads its ISA switch at first use
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from parity.backward_cost import GB, PeakRss, rss_bound_ratio, rss_bytes, saved_activation_bytes  # noqa: E402
 
 
 def main() -> None:
@@ -28,11 +42,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layers", type=int, nargs="*", default=None, help="layer indices (default: all)")
+    ap.add_argument("--xla-memory", action="store_true", help="also print compiled.memory_analysis() of the VJP")
     a = ap.parse_args()
     from parity.jax_ling3.weights import CheckpointReader
-    from parity.targets.reference import ReferenceTarget
+    from parity.targets.reference import ReferenceTarget, release_freed_heap
     from parity.torch_ref.loader import load_model
 
+    print(f"ISA caps: {describe_caps()}", flush=True)
     lm = load_model(a.ckpt, "remote", dtype=a.dtype)
     model, cfg = lm.model, lm.config
     tdt = model.dtype
@@ -54,68 +70,91 @@ def main() -> None:
         if cfg.is_moe(i):
             hk = lay.mlp.gate.tap_topk_idx.register_forward_hook(lambda m, x, o: topk.__setitem__("idx", o))
         times, ctimes = [], []
-        print(f"layer {i}: twin backward ...", file=__import__("sys").stderr, flush=True)
+        print(f"layer {i}: twin backward ...", file=sys.stderr, flush=True)
+        release_freed_heap()
+        tbase, tsampler, act = rss_bytes(), PeakRss(), 0
         for _ in range(a.reps):
             x = h.clone().requires_grad_(True)
             lay.zero_grad(set_to_none=True)
             t0, c0 = time.perf_counter(), time.process_time()
-            out = lay(x, attention_mask=None, position_embeddings=pos_emb)[0]
+            # the saved-tensor hook only logs two numbers per saved tensor: timed with the rest
+            out, act = saved_activation_bytes(
+                lambda: lay(x, attention_mask=None, position_embeddings=pos_emb)[0], lay.parameters())
             out.backward(cot)
             times.append(time.perf_counter() - t0)
             ctimes.append(time.process_time() - c0)
+            del out
+        twin_peak = tsampler.stop() - tbase
+        lay.zero_grad(set_to_none=True)
         if hk is not None:
             hk.remove()
         fi = None if "idx" not in topk else np.sort(topk["idx"].numpy(), -1).astype(np.int32)
-        print(f"layer {i}: twin {times}; JAX ...", file=__import__("sys").stderr, flush=True)
-        base = _rss_gb()
+        print(f"layer {i}: twin {times}; JAX ...", file=sys.stderr, flush=True)
+        del x
+        release_freed_heap()  # the twin's freed memory: not reused unseen by the JAX side
+        base = rss_bytes()
         tensors = r.hf_tensors(i)
         wbytes = sum(np.asarray(v).nbytes for v in tensors.values())
-        sampler = _PeakRss()
+        sampler = PeakRss()
         t.load_layer(i, tensors)
         del tensors
+        peak_load, after_load = sampler.peak() - base, rss_bytes() - base  # the loader's part of the first peak
         hn = h.float().numpy() if a.dtype == "float32" else h.view(torch.int16).numpy().view("bfloat16")
         cn = cot.float().numpy() if a.dtype == "float32" else cot.view(torch.int16).numpy().view("bfloat16")
         t0 = time.perf_counter()
-        t.layer_backward(i, hn, np.arange(a.T), cn, fi)
+        res = t.layer_backward(i, hn, np.arange(a.T), cn, fi)
         first = time.perf_counter() - t0
+        peak_first = sampler.peak() - base
+        del res
+        release_freed_heap()  # the warm calls' peak, not the compilation's heap that glibc keeps
+        sampler.reset()
         jt, jc = [], []
         for _ in range(a.reps):
+            res = None  # one call's result alive at a time, as in a replay (not the last rep's beside this one's)
             t0, c0 = time.perf_counter(), time.process_time()
-            t.layer_backward(i, hn, np.arange(a.T), cn, fi)
+            res = t.layer_backward(i, hn, np.arange(a.T), cn, fi)
             jt.append(time.perf_counter() - t0)
             jc.append(time.process_time() - c0)
-        peak = sampler.stop() - base
+        peak_warm = sampler.stop() - base
+        xla = _xla_memory(t, i, hn, cn, fi) if a.xla_memory else None
         t.unload_layer(i)
         kind = f"{cfg.layer_kind(i).upper()}+{'MoE' if cfg.is_moe(i) else 'dense'}"
         jw, tw = statistics.median(jt), statistics.median(times)
         jcpu, tcpu = statistics.median(jc), statistics.median(ctimes)
         print(f"layer {i} {kind} T={a.T}: JAX first {first:.2f} s, JAX warm {jw:.2f} s, twin {tw:.2f} s, "
-              f"ratio {jw / tw:.2f}x; CPU time JAX {jcpu:.2f} s, twin {tcpu:.2f} s, ratio {jcpu / tcpu:.2f}x; "
-              f"JAX peak RSS over the start {peak:.2f} GB = {peak / (2 * wbytes / 2**30):.2f} x (layer weights + their "
-              f"gradients, {2 * wbytes / 2**30:.2f} GB)", flush=True)
+              f"ratio {jw / tw:.2f}x; CPU time JAX {jcpu:.2f} s, twin {tcpu:.2f} s, ratio {jcpu / tcpu:.2f}x",
+              flush=True)
+        wg = 2 * wbytes
+        print(f"layer {i} {kind} T={a.T} memory: weights+grads {wg / GB:.3f} GB, activations (twin's saved) "
+              f"{act / GB:.3f} GB, bound 2x(sum) {2 * (wg + act) / GB:.3f} GB; JAX peak RSS over its start: first call "
+              f"{peak_first / GB:.2f} GB = {rss_bound_ratio(peak_first, wbytes, act):.2f}x (loading the layer: peak "
+              f"{peak_load / GB:.2f} GB, after it {after_load / GB:.2f} GB), warm calls "
+              f"{peak_warm / GB:.2f} GB = {rss_bound_ratio(peak_warm, wbytes, act):.2f}x of (weights+grads+"
+              f"activations); twin peak RSS over its start {twin_peak / GB:.2f} GB; JAX outputs: grads "
+              f"{_nbytes(res.param_grads.values()) / GB:.3f} GB, d input {res.input_grad.nbytes / GB:.3f} GB, probe "
+              f"cotangents {_nbytes(res.points.values()) / GB:.3f} GB ({len(res.points)} sites)", flush=True)
+        if xla is not None:
+            print(f"layer {i} {kind} T={a.T} XLA memory_analysis: "
+                  + ", ".join(f"{k} {v / GB:.3f} GB" for k, v in xla.items()), flush=True)
+        del res
 
 
-def _rss_gb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+def _nbytes(arrays) -> int:
+    return sum(np.asarray(v).nbytes for v in arrays)
 
 
-class _PeakRss:
-    """Samples this process's RSS every 5 ms on a thread until `stop()`, which returns the peak (GB)."""
+def _xla_memory(t, i, hn, cn, fi) -> dict[str, int]:
+    """memory_analysis() of the layer VJP `ReferenceTarget.layer_backward` runs, lowered on the same arguments."""
+    import jax.numpy as jnp
 
-    def __init__(self) -> None:
-        self.peak, self._done = _rss_gb(), threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
+    from parity.backward_cost import xla_memory
+    from parity.jax_ling3.spec import dtype_of
 
-    def _run(self) -> None:
-        while not self._done.wait(0.005):
-            self.peak = max(self.peak, _rss_gb())
-
-    def stop(self) -> float:
-        self._done.set()
-        self._t.join()
-        return max(self.peak, _rss_gb())
+    dt = dtype_of(t.dtype)
+    f = None if fi is None else jnp.asarray(fi, jnp.int32)
+    lowered = t._backward_fn().lower(t.params[i], jnp.asarray(hn, dt), jnp.asarray(np.arange(len(hn[0])), jnp.int32),
+                                     jnp.asarray(cn, dt), f, spec=t.spec(i), hf_experts=True)
+    return xla_memory(lowered.compile())
 
 
 if __name__ == "__main__":
