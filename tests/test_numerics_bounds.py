@@ -2,7 +2,6 @@
 planted finite garbage failing under the default table in every mode."""
 
 import math
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -11,7 +10,6 @@ import pytest
 from parity.numerics import compare, default_rules
 from parity.calibration import bounds as B
 
-ROOT = Path(__file__).resolve().parents[1]
 BF16 = ml_dtypes.bfloat16
 MODES = ("layer", "forced", "isolated", "free")
 TIERS = (("bfloat16", "bfloat16"), ("float32", "bfloat16"), ("float32", "float32"))
