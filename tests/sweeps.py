@@ -87,10 +87,11 @@ BEYOND_SLICE: dict[str, str] = {
     # a port through taps: the bf16 golden stays (its rounding is the harder case); one broken variant stays
     "tests/test_taps.py::test_portlike_replays_bundled_dumps_through_taps[tiny-fp32.h5]": "the bf16 golden case",
     "tests/test_portlike_backward.py::test_planted_backward_bug_in_portlike_is_pinned[bfloat16]": "the float32 case",
-    # the bundled goldens with the correct reference: layer mode is `pytest parity` itself (parity/test_points.py, in
-    # the same run), isolated mode is tests/test_parity_modes.py::test_bundled_dump_passes_in_isolated_mode
+    # the bundled goldens with the correct reference: layer mode is `pytest parity` itself (README command one, its
+    # own step in .ci/run), isolated mode is tests/test_parity_modes.py::test_bundled_dump_passes_in_isolated_mode
     "tests/test_no_false_alarms.py::test_correct_target_passes_bundled_dump[*]":
-        "parity/test_points.py (layer) and test_parity_modes.py::test_bundled_dump_passes_in_isolated_mode",
+        "`pytest parity` (layer; README command one, a step of .ci/run) and "
+        "test_parity_modes.py::test_bundled_dump_passes_in_isolated_mode",
     # no false alarms: one fresh seed forward, one backward case; LING3_FULL_SWEEP=1 runs seeds 11-20 and all 20
     # backward cases (that file's own switch)
     "tests/test_no_false_alarms.py::test_correct_target_passes_random_seed[12]": "seed 11",
@@ -128,14 +129,11 @@ BEYOND_SLICE: dict[str, str] = {
     "tests/test_mutations.py::test_mutation_detected_and_localised[kda_beta_not_sigmoided]": "gates: kda_a_log_not_exp",
     "tests/test_mutations.py::test_mutation_detected_and_localised[kda_o_norm_eps]":
         "norms: kda_l2norm_missing; the output norm: kda_o_norm_weight_bf16-bfloat16-isolated",
-    # isolated mode on the bundled goldens: tiny-bf16 (the tiny preset, forward) and tiny-flash-bf16 (--grads:
-    # isolated backward points) stay
+    # isolated mode on the bundled goldens: tiny-bf16 (the tiny preset, forward) stays (round four, below)
     "tests/test_parity_modes.py::test_bundled_dump_passes_in_isolated_mode[tiny-fp32]":
-        "tiny-bf16 (the tiny preset) and tiny-flash-bf16 (isolated backward points)",
-    # isolated backward: the KDA gate bug's case stays (a bug fails exactly the points its VJP computes); MoE layers'
-    # isolated backward points replay clean in test_parity_modes' tiny-flash-bf16 case
-    "tests/test_isolated_backward.py::test_a_backward_bug_fails_exactly_the_points_its_vjp_computes[bw_router*]":
-        "the bw_kda_gate_detached case; MoE: test_parity_modes.py isolated tiny-flash-bf16",
+        "tiny-bf16 (the tiny preset, every layer kind in isolated mode)",
+    # (round four: the bw_router_weight_detached case of test_isolated_backward is back in the slice — a MoE layer's
+    # isolated backward points, the rest of them passing — since test_parity_modes' isolated tiny-flash-bf16 left it)
     # head / loss / embedding VJPs: T=100 of both checkpoints stay (no KDA path in them: T=40 adds a length only)
     "tests/test_backward_replay.py::test_head_loss_embed_vjp_match_twin[tiny-T40]": "tiny-T100 and tiny-flash-T100",
     # a wrong port on the chunk-kernel dump: one KDA bug stays
@@ -186,14 +184,8 @@ BEYOND_SLICE: dict[str, str] = {
     "tests/test_no_false_alarms.py::test_*sweep_detects_a_broken_subject":
         "tests/test_no_false_alarms.py (the kept seeds); these check the full sweep itself",
     # ---- round two: what the estimate from the cold profile still needed ----
-    # the bundled goldens' backward points (~170 worker-seconds of cold layer-VJP compiles): README command one
-    # (`pytest parity`) replays them (CI does not: .ci/run has no full-sweep part); the forward points stay here, and
-    # the backward phase's own tests replay golden backward points in this slice: test_backward_mutations' clean
-    # baselines (units of tiny-fp32 and tiny-flash-bf16), test_mtp_semantics_replay (the whole official golden, its
-    # backward included), test_parity_modes' isolated tiny-flash-bf16 (every layer's isolated backward points)
-    "parity/test_points.py::test_point[*/backward/*]":
-        "README command one replays them; the forward points stay; backward: tests/test_backward_mutations.py, "
-        "tests/test_mtp_semantics_replay.py, tests/test_parity_modes.py (isolated)",
+    # (the bundled goldens' backward points were beyond the slice here; since round four no golden point is in README
+    # command two's collection: `pytest parity`, README command one, replays every one of them as a step of .ci/run)
     # backward mutants in bf16: one per part of the backward stays (the KDA gate, the thinnest margin; the MLA head
     # gate; the router weights; the embedding gradient)
     "tests/test_backward_mutations.py::test_backward_mutant_pinned_on_golden[bw_shared_expert_grad_twice-bfloat16]":
@@ -217,12 +209,13 @@ BEYOND_SLICE: dict[str, str] = {
         "tests/test_precision_shadow.py::test_reference_under_xla_defaults_is_more_precise_not_failed (the reference "
         "compiled under XLA's defaults); detection: tests/test_mutations.py",
     "tests/test_parity_modes.py::test_bundled_dump_passes_in_isolated_mode[tiny-flash-fp32]":
-        "tiny-flash-bf16 (tiny-flash) and tiny-bf16",
+        "tiny-bf16 (every layer kind in isolated mode)",
     "tests/test_isolated_backward.py::test_isolated_mode_replays_every_backward_point_of_a_layer":
-        "tests/test_parity_modes.py::test_bundled_dump_passes_in_isolated_mode[tiny-flash-bf16] (every layer's "
-        "isolated backward points pass) and this file's bw_kda_gate_detached case (the rest of layer 0 passes)",
+        "tests/test_isolated_backward.py::test_a_backward_bug_fails_exactly_the_points_its_vjp_computes: its "
+        "bw_kda_gate_detached (layer 0, KDA + dense) and bw_router_weight_detached (layer 2, KDA + MoE) cases (every "
+        "backward point of the layer other than the bug's passes)",
     "tests/test_parity_modes.py::test_bundled_dump_passes_in_isolated_mode[tiny-flash-official-bf16]":
-        "tiny-flash-bf16 (the same shapes); the official runtime's dump in isolated mode: "
+        "tiny-bf16 (every layer kind in isolated mode); the official runtime's dump in isolated mode: "
         "tests/test_isolated_backward.py::test_points_isolated_mode_cannot_replay_are_skipped_saying_why",
     "tests/test_no_false_alarms.py::test_correct_target_passes_backward_points[11-float32]":
         "tests/test_backward_mutations.py's clean baselines (the correct reference replays each mutant's unit of the "
@@ -251,6 +244,39 @@ BEYOND_SLICE: dict[str, str] = {
         "and tests/test_mtp_backward.py (a fresh --grads dump replayed clean)",
     "tests/test_mutations.py::test_mutation_detected_and_localised[moe_shared_expert_scaled]":
         "MoE: moe_no_topk_renorm",
+    # ---- round four (README command two <= 15 min: the golden points moved to their own .ci/run step, above) ----
+    # isolated mode on the goldens: tiny-bf16 (every layer kind, forward) stays; isolated backward points: the two
+    # cases of test_isolated_backward (the tiny-flash-bf16 golden in isolated mode, layers 0 and 2: the bug's VJP points
+    # fail and every other backward point of the layer passes)
+    "tests/test_parity_modes.py::test_bundled_dump_passes_in_isolated_mode[tiny-flash-bf16]":
+        "tiny-bf16 (isolated forward); isolated backward: tests/test_isolated_backward.py::test_a_backward_bug_fails_"
+        "exactly_the_points_its_vjp_computes (KDA + dense and KDA + MoE layers of this golden)",
+    # the layer VJP against the twin's autograd: tiny-flash-T100 stays (KDA+MoE and MLA+MoE); the tiny preset's layer
+    # VJPs (q-LoRA, the SwiGLU clamp) are replayed clean against the official file's autograd by
+    # tests/test_official_backward.py's tiny-100-float32 case
+    "tests/test_backward_replay.py::test_layer_vjp_matches_twin_autograd[tiny-T100]":
+        "tiny-flash-T100; the tiny preset: tests/test_official_backward.py::test_official_grads_dump_replays_clean"
+        "[tiny-100-float32]",
+    # the triage of a precision loss: tests/test_triage.py's classification tests and the kda_l2norm_before_upcast
+    # fine mutant's bf16 isolated case (pinned) with its fp32 xfail (no bug in fp32)
+    "tests/test_precision_shadow.py::test_l2norm_before_upcast_triages_as_precision":
+        "tests/test_triage.py (precision vs bug classification) and tests/test_mutations.py's kda_l2norm_before_upcast "
+        "cases",
+    # an edited site is the first divergence: the bf16 golden stays (its rounding is the harder case)
+    "tests/test_replay_acceptance.py::test_edited_site_is_the_first_divergence_and_its_source[tiny-fp32.h5-*]":
+        "the tiny-bf16.h5 case",
+    # the JAX MTP layer vs the twin in bf16: tests/test_mtp_backward.py's bf16 replay of a fresh tiny-flash --grads dump
+    # (the MTP layer's forward points vs the twin's) stays; fp32 vs the twin: tiny-mtp-float32
+    "tests/test_jax_mtp.py::test_jax_mtp_matches_the_twin[tiny-flash-bfloat16]":
+        "tiny-mtp-float32; bf16: tests/test_mtp_backward.py::test_mtp_backward_replays_clean[bfloat16]",
+    # golden regeneration: the twin's fp32 --grads (tiny-fp32.h5) and the official runtime's bf16 (tiny-flash-official-
+    # bf16.h5, the tiny-flash preset) stay; the twin's bf16 --grads path is the same dumper code as both
+    "tests/test_golden_dumps.py::test_regeneration_*[tiny-flash-bf16.h5]":
+        "tiny-fp32.h5 (the twin, --grads) and tiny-flash-official-bf16.h5 (bf16, tiny-flash)",
+    # an explicit xdist grouping option: the default grouping (one worker per layer) stays, and .ci/run's
+    # `pytest parity -n 2` step runs it on every golden
+    "tests/test_plugin_xdist.py::test_an_explicit_loadgroup_groups_too":
+        "tests/test_plugin_xdist.py::test_a_layers_points_run_on_one_worker (the same grouping, by default)",
 }
 
 

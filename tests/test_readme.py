@@ -74,3 +74,15 @@ def test_readme_is_short_and_its_first_screen_leads_to_install_run_port_and_fail
     first_screen = "\n".join(lines[:25])
     for anchor in ("#install-and-run", "#use-it-dump-replay-read", "#test-your-port", "#read-a-failure"):
         assert f"]({anchor})" in first_screen, f"README's first 25 lines lack a link to {anchor}"
+
+
+def test_ci_replays_the_goldens_that_command_two_does_not_collect():
+    """Command two collects tests/ only (pyproject's testpaths); the goldens' points are README command one, so CI
+    runs `pytest parity` as a step of its own after command two — no golden point goes untested in CI."""
+    opts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert opts["testpaths"] == ["tests"], opts["testpaths"]
+    ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    test_cmd = _readme_commands()[1].strip()
+    i = next(n for n, ln in enumerate(ci) if test_cmd in ln)
+    assert any(re.match(r"python3 -m pytest parity( |$)", ln) and "-k" not in ln and "--parity-dump" not in ln
+               for ln in ci[i + 1:]), ".ci/run must run `python3 -m pytest parity` (every golden) after command two"

@@ -481,7 +481,9 @@ class PortlikeTarget(Target):
         pb = PackedBatch.of(B, T, prefix=prefix, capacity=cap)
         meta = {"slots": jnp.asarray(pb.slots), "positions": jnp.asarray(pb.positions),
                 "out_loc": jnp.asarray(pb.out_loc), "seq_loc": jnp.asarray(pb.seq_loc)}
-        statics = (tuple(int(c) for c in pb.cu_seqlens), prefix, T)
+        # only the MLA block reads `prefix` (its pool gather has prefix + T rows): a KDA layer's program is the same at
+        # every decode step, so it is compiled once, not once per step (issue 35: suite time)
+        statics = (tuple(int(c) for c in pb.cu_seqlens), prefix if self.cfg.layer_kind(i) == "mla" else 0, T)
         forced = None if forced_topk is None else jnp.asarray(pb.pack(forced_topk), jnp.int32)
         taps = self.taps(i)
         from flax import nnx
