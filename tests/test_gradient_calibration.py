@@ -208,9 +208,11 @@ def test_shipped_gradient_section_is_the_stored_corpus_derivation(stored_grads):
 
 def test_grad_run_plan_is_the_recorded_corpus(stored_grads):
     points, meta = stored_grads
-    spec = K.GradSpec(**{k: tuple(v) for k, v in meta["corpus"].items()})
-    assert {r.corpus_id for r in K.grad_runs(spec)} == {p["corpus"] for p in points}
-    assert 0 not in spec.seeds and not set(spec.seeds) & set(range(11, 21))  # fresh, disjoint from the sweep
+    specs = K.grad_specs(meta)  # the corpus' own walk and each merged one (tools/calibrate.py merge-grads)
+    planned = [r.corpus_id for spec in specs for r in K.grad_runs(spec)]
+    assert len(planned) == len(set(planned)) and set(planned) == {p["corpus"] for p in points}
+    for spec in specs:
+        assert 0 not in spec.seeds and not set(spec.seeds) & set(range(11, 21))  # fresh, disjoint from the sweep
     assert {p["compute"] for p in points} == {"float32", "bfloat16"}
     assert {G.grad_class(p["site"]) for p in points} == {c for c, _ in G.CLASSES}
 
@@ -223,3 +225,21 @@ def test_rules_records_the_derivation_not_where_it_was_written():
     cal = _tool("calibrate")
     assert cal._recorded(["rules", "--check", "--out", "x", "--from", "d"]) == ["rules", "--from", "d"]
     assert cal._recorded(["rules", "--out=x"]) == ["rules"]
+
+
+def test_a_merged_walk_adds_its_runs_and_a_run_stored_twice_is_refused():
+    """merge_grad_corpus appends a walk's points and its metadata under `merged`; a walk holding a run the corpus
+    already has is refused naming the run, and nothing is returned for it."""
+    old = ([{"corpus": "tiny/s1/T40/bf16", "site": "a"}], {"command": "c0", "corpus": {"seeds": [1]}})
+    new = ([{"corpus": "official:tiny/s3/T40/bf16", "site": "a"}], {"command": "c1", "corpus": {"seeds": [3]}})
+    pts, meta = K.merge_grad_corpus(old, *new)
+    assert [p["corpus"] for p in pts] == ["tiny/s1/T40/bf16", "official:tiny/s3/T40/bf16"]
+    assert meta["command"] == "c0" and [m["command"] for m in meta["merged"]] == ["c1"]
+    with pytest.raises(ValueError, match="already stored, e.g. official:tiny/s3/T40/bf16"):
+        K.merge_grad_corpus((pts, meta), *new)
+    # an official-file run on the stand-ins has its own id: it never collides with the twin's run of the same seed
+    twin, off = (K.grad_runs(K.GradSpec(presets=("tiny",), seeds=(1,), prompt_lens=(40,), dtypes=("bfloat16",),
+                                        runtimes=(rt,)))[0] for rt in ("twin", "official"))
+    assert (twin.corpus_id, off.corpus_id) == ("tiny/s1/T40/bf16", "official:tiny/s1/T40/bf16")
+    with pytest.raises(ValueError, match="expected runtimes among twin, official"):
+        K.grad_runs(K.GradSpec(runtimes=("native",)))

@@ -10,6 +10,9 @@
         merged into the stored corpus by runtime; grads: the gradient corpus,
         --grad-seeds 1,2 --grad-prompt-lens 40,160 ..., --grads dumps replayed in layer mode); --remeasure MODES replays
         the noise corpus kept in --workdir again in MODES instead of rebuilding it
+    python tools/calibrate.py merge-grads DIR [DIR ...]
+        add gradient walks made in parallel (each `corpus --only grads --out DIR`) to the stored gradient corpus
+        (a run already stored is refused) and write every generated file
     python tools/calibrate.py rules [--from parity/numerics/calibration] [--check]
         re-derive from stored measurements: parity/numerics/calibration.toml (one header; sections
         gradient_tolerances, the real-kernel ones, tolerances, safety_bounds, exactness_rates) and the reports calibration/calibration.md, calibration/measurements.json;
@@ -86,14 +89,28 @@ def cmd_corpus(a: argparse.Namespace, argv: list[str]) -> int:
                             decode_steps=a.exactness_decode_steps)
     if a.only == "grads":  # the gradient corpus: walked and stored on its own, then every file re-derived
         gspec = K.GradSpec(presets=_words(a.grad_presets), seeds=_ints(a.grad_seeds),
-                           prompt_lens=_ints(a.grad_prompt_lens), dtypes=_words(a.grad_dtypes))
+                           prompt_lens=_ints(a.grad_prompt_lens), dtypes=_words(a.grad_dtypes),
+                           runtimes=_words(a.grad_runtimes), kernels="" if a.grad_kernels == "cpu" else a.grad_kernels)
         if not gspec.seeds or 0 in gspec.seeds:
             raise ParityError("corpus --only grads: --grad-seeds must be fresh seeds (not empty, not the bundled 0)")
+        try:
+            runs = K.grad_runs(gspec)
+        except ValueError as e:
+            raise ParityError(f"corpus --only grads: {e}") from None
+        stored = P.load_grads(Path(a.out) / P.MEASURED) or P.load_grads(ROOT / P.MEASURED) if a.merge else None
+        if stored is not None:  # refused before walking: a run already stored is never measured twice
+            try:
+                K.merge_grad_corpus(stored, [{"corpus": r.corpus_id} for r in runs], {})
+            except ValueError as e:
+                raise ParityError(str(e)) from None
         with tempfile.TemporaryDirectory(prefix="ling3-calib-") as tmp:
-            gmeas = K.walk(K.grad_runs(gspec), Path(a.workdir or tmp), log=log)
+            gmeas = K.walk(runs, Path(a.workdir or tmp), log=log)
         gmeta = {"command": command, "date": today, "machine": R.machine(), "corpus": gspec.__dict__,
                  "runs": gmeas.runs, "seconds": round(time.perf_counter() - t0, 1)}
-        _write(P.grad_files(gmeas.points, gmeta), Path(a.out))  # stored before deriving: nothing measured is lost
+        gpoints = gmeas.points
+        if stored is not None:  # --merge: this walk added to the stored gradient corpus (K.merge_grad_corpus)
+            gpoints, gmeta = K.merge_grad_corpus(stored, gpoints, gmeta)
+        _write(P.grad_files(gpoints, gmeta), Path(a.out))  # stored before deriving: nothing measured is lost
         meas, noise_meta, ex_meta = P.load(ROOT / P.MEASURED)
         _derive_and_write(meas, noise_meta, ex_meta, command, a)
         print(f"done in {time.perf_counter() - t0:.0f}s")
@@ -156,6 +173,25 @@ def cmd_corpus(a: argparse.Namespace, argv: list[str]) -> int:
         meas.rows, ex_meta = stored[0].rows, stored[2]
     _derive_and_write(meas, noise_meta, ex_meta, command, a)
     print(f"done in {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+def cmd_merge_grads(a: argparse.Namespace, argv: list[str]) -> int:
+    """Each walk's gradient corpus (its own points and metadata) added to the stored one, in the order given; a run
+    stored twice is refused (K.merge_grad_corpus) before anything is written."""
+    stored = P.load_grads(Path(a.out) / P.MEASURED) or P.load_grads(ROOT / P.MEASURED)
+    for w in a.walks:
+        walk = P.load_grads(Path(w) / P.MEASURED)
+        if walk is None:
+            raise ParityError(f"{Path(w) / P.MEASURED / 'grad_corpus.json'}: no gradient walk stored there "
+                              f"(expected the --out folder of `calibrate.py corpus --only grads`)")
+        try:
+            stored = K.merge_grad_corpus(stored, *walk)
+        except ValueError as e:
+            raise ParityError(f"{w}: {e}") from None
+    _write(P.grad_files(*stored), Path(a.out))
+    meas, noise_meta, ex_meta = P.load(ROOT / P.MEASURED)
+    _derive_and_write(meas, noise_meta, ex_meta, _command(argv), a)
     return 0
 
 
@@ -275,6 +311,14 @@ def parser() -> argparse.ArgumentParser:
                    help="seeds of the gradient corpus (--grads dumps replayed in layer mode, --only grads)")
     c.add_argument("--grad-prompt-lens", default=",".join(map(str, g.prompt_lens)))
     c.add_argument("--grad-dtypes", default=",".join(g.dtypes))
+    c.add_argument("--grad-runtimes", default=",".join(g.runtimes),
+                   help="whose modeling file dumps the gradient corpus: twin, official (comma-separated)")
+    c.add_argument("--grad-kernels", choices=("cpu", "fla"), default="cpu",
+                   help="cpu: the CPU stand-ins in this process; fla: fla's real kernels in the Triton Python "
+                        "(.venv-triton, as .ci/run makes it; $LING3_TRITON_PYTHON)")
+    c.add_argument("--merge", action="store_true",
+                   help="--only grads: add this walk to the stored gradient corpus (refused where a run is already "
+                        "stored) instead of replacing it")
     c.add_argument("--only", choices=("noise", "exactness", "kernels", "grads"), default=None,
                    help="walk one corpus only; the others' stored measurements are kept (kernels: dumped by "
                         "$LING3_TRITON_PYTHON or .venv-triton's Python, under TRITON_INTERPRET=1 without CUDA)")
@@ -291,6 +335,13 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--safety", type=float, default=R.SAFETY, help="safety factor of the tolerance rules")
         s.add_argument("--bounds-safety", type=float, default=None,
                        help="safety factor of the bounds (default: from the corpus' growth, parity/calibration/bounds.py)")
+    m = sub.add_parser("merge-grads", help="add gradient walks stored elsewhere (each a `corpus --only grads --out "
+                                           "DIR`, walked in parallel) to the stored gradient corpus, write every "
+                                           "generated file")
+    m.add_argument("walks", nargs="+", help="the --out folders of the walks")
+    m.add_argument("--out", default=str(ROOT), help="write under this folder instead of the repository")
+    m.add_argument("--safety", type=float, default=R.SAFETY)
+    m.add_argument("--bounds-safety", type=float, default=None)
     q = sub.add_parser("precision", help="walk the precision corpus (three-way verdict), write the generated file")
     q.add_argument("--workdir", default=None, help="keep the dumps here (default: a temp dir)")
     q.add_argument("--runs", default=None, help="re-measure only these runs (PRESET:SEED:PROMPT_LEN,...) and keep the "
@@ -333,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.remeasure and not a.workdir:
             ap.error("--remeasure needs --workdir (the kept corpus of the run that made the stored measurements)")
     run = {"corpus": cmd_corpus, "rules": cmd_rules, "resolution": cmd_resolution,
-           "precision": cmd_precision}[a.command]
+           "precision": cmd_precision, "merge-grads": cmd_merge_grads}[a.command]
     try:
         return run(a, argv)
     except ParityError as e:

@@ -103,6 +103,8 @@ class GradSpec:
     seeds: tuple[int, ...] = (1, 2)
     prompt_lens: tuple[int, ...] = (40, 160)  # ≤ 64: recurrent KDA backward of the official kernel; > 64: chunked
     dtypes: tuple[str, ...] = ("bfloat16", "float32")
+    runtimes: tuple[str, ...] = ("twin",)  # whose modeling file is dumped: the twin, the official file (KERNEL_RUNTIMES)
+    kernels: str = ""  # "" = this process (the CPU stand-ins); "fla" = fla's real kernels (kernel_python: Triton)
 
 
 @dataclass(frozen=True)
@@ -131,8 +133,9 @@ class Run:
     @property
     def label(self) -> str:
         """name/seed/prompt length, prefixed `fla:` for a real-kernel run (`fla-official:` for one of the official
-        file)."""
-        prefix = ("fla" + ("-official" if self.runtime == "official" else "") + ":") if self.kernels else ""
+        file) and `official:` for an official-file run on the CPU stand-ins (the gradient corpus)."""
+        prefix = ("fla" + ("-official" if self.runtime == "official" else "") + ":") if self.kernels else \
+            ("official:" if self.runtime == "official" else "")
         return f"{prefix}{self.name}/s{self.seed}/T{self.prompt_len}"
 
     @property
@@ -230,9 +233,39 @@ def merge_kernel_corpus(stored: tuple[Measurement, dict] | None, new: Measuremen
 
 
 def grad_runs(spec: GradSpec) -> list[Run]:
-    """The gradient corpus in walk order: checkpoint × prompt length × dtype, `--grads` dumps without decode steps."""
-    return [Run(name, seed, T, dtype, 0, folder=GRADS_DIR, dump_seed=seed, grads=True)
-            for name in spec.presets for seed in spec.seeds for T in spec.prompt_lens for dtype in spec.dtypes]
+    """The gradient corpus in walk order: runtime × checkpoint × prompt length × dtype, `--grads` dumps without decode
+    steps."""
+    bad = [r for r in spec.runtimes if r not in KERNEL_RUNTIMES]
+    if bad or spec.kernels not in ("", "fla"):
+        raise ValueError(f"gradient corpus: runtimes {', '.join(spec.runtimes)}, kernels {spec.kernels!r}: expected "
+                         f"runtimes among {', '.join(KERNEL_RUNTIMES)} and kernels '' or 'fla'")
+    return [Run(name, seed, T, dtype, 0, folder=GRADS_DIR, dump_seed=seed, grads=True, kernels=spec.kernels, runtime=rt)
+            for rt in spec.runtimes for name in spec.presets for seed in spec.seeds for T in spec.prompt_lens
+            for dtype in spec.dtypes]
+
+
+def grad_specs(meta: dict) -> list[GradSpec]:
+    """The GradSpecs a stored gradient corpus was walked with (`grad_corpus.json`): its `corpus` and each merged
+    walk's (`merged`)."""
+    def spec(d: dict) -> GradSpec:
+        return GradSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+    return [spec(meta["corpus"])] + [spec(m["corpus"]) for m in meta.get("merged", [])]
+
+
+def merge_grad_corpus(stored: tuple[list[dict], dict] | None, points: list[dict], meta: dict) \
+        -> tuple[list[dict], dict]:
+    """A gradient walk added to the stored gradient corpus (`--merge`): its points appended, its metadata (command,
+    date, machine, spec, step times) appended to `merged`. A run already stored is refused (ValueError naming it):
+    nothing measured is replaced silently — walk other seeds, runtimes or kernels, or walk the corpus anew."""
+    if stored is None:
+        return points, meta
+    old, ometa = stored
+    have = {p["corpus"] for p in old}
+    dup = sorted({p["corpus"] for p in points} & have)
+    if dup:
+        raise ValueError(f"gradient corpus --merge: {len(dup)} run(s) already stored, e.g. {dup[0]} "
+                         f"(parity/numerics/calibration/grad_points.json.gz); walk runs not yet in the corpus")
+    return old + points, {**ometa, "merged": list(ometa.get("merged", [])) + [meta]}
 
 
 def _config_of(name: str) -> Any:

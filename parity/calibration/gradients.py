@@ -194,14 +194,19 @@ def grad_entries(rules: Sequence[GradRule], table: str = SECTION) -> str:
 
 def grad_method(meta: dict, n_points: int, safety: float) -> str:
     """How the gradient rules were derived (comment lines of their section of the calibration file)."""
-    c = meta["corpus"]
+    walks = []
+    for c in [meta["corpus"]] + [m["corpus"] for m in meta.get("merged", [])]:
+        who = " and ".join({"twin": "the twin", "official": "the official file"}[r] for r in c.get("runtimes", ["twin"]))
+        kern = "fla's real kernels (Triton)" if c.get("kernels") == "fla" else "the CPU stand-ins"
+        walks.append(f"presets {', '.join(c['presets'])} × seeds {', '.join(map(str, c['seeds']))} × prompts "
+                     f"{', '.join(map(str, c['prompt_lens']))} × {', '.join(c['dtypes'])}, dumped by {who} on {kern}")
     return "\n".join("# " + s if s else "#" for s in [
         "Gradient rules of the backward phase (issue 26), looked up by site `backward/<site>` and complete (every field",
         "set: no activation rule leaks into a gradient's). A gradient is compared as one row: floors are in ULPs of the",
         "tensor's RMS (parity.replay.judge.compare_gradient). Reasoning: parity/calibration/gradients.py.",
-        f"Corpus: presets {', '.join(c['presets'])} × seeds {', '.join(map(str, c['seeds']))} × prompts "
-        f"{', '.join(map(str, c['prompt_lens']))} tokens (≤ 64: recurrent KDA, > 64: chunked)",
-        f"× {', '.join(c['dtypes'])}: fresh checkpoints dumped by the twin with --grads, replayed in `layer` mode by the JAX",
+        f"Corpus ({len(walks)} walk(s); prompts ≤ 64 tokens: recurrent KDA, > 64: chunked):",
+        *[f"- {w}" for w in walks],
+        "fresh checkpoints dumped with --grads, replayed in `layer` mode by the JAX",
         "reference (its VJP teacher-forced on each layer's dumped input and output cotangent, routing forced to the",
         f"dumped top-k): {n_points} gradient points. Classes: grad_expert (`backward/grad.mlp.experts.*`), grad_weight",
         "(`backward/grad.*`), grad_activation (`backward/*`, the cotangents).",

@@ -404,6 +404,8 @@ def derive(meas: Measurement, noise_meta: dict, ex_meta: dict, command: str, saf
         log += glog
         sections = [gsection] + sections
         corpora.append(("gradient corpus", Provenance(grads[1]["command"], grads[1]["date"], grads[1]["machine"])))
+        corpora += [("gradient corpus, merged walk", Provenance(m["command"], m["date"], m["machine"]))
+                    for m in grads[1].get("merged", [])]
     if precision is not None:  # the three-way verdict's ratios: one field of their own, last in lookup order
         qsection, qlog = derive_precision_section(*precision)
         log += qlog
