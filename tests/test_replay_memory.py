@@ -88,3 +88,30 @@ def test_plugin_holds_one_dumps_globals_at_a_time(tmp_path):
             s.close()
         for reader in sess.readers.values():
             reader.close()
+
+
+def test_a_layer_replay_keeps_no_host_copy_of_the_layers_weights(monkeypatch):
+    """After the target has loaded a layer, the replay holds the layer's checkpoint tensors only as a read-on-access
+    view (issue 33 item 1: the host copy beside the device copy was ~0.6 GB of a Ling3-Tiny MLA+MoE layer's first-call
+    peak). Seen at the shadows, which receive what the replay keeps: a view of the same tensors, not the dict the
+    target was given."""
+    import numpy as np
+
+    from parity.jax_ling3.weights import CheckpointReader
+    from parity.replay import run_replay
+    from parity.replay import shadows as S
+
+    seen = []
+    real_init = S.LayerShadows.__init__
+
+    def spy(self, session, i, hf):
+        seen.append((session, i, hf))
+        real_init(self, session, i, hf)
+
+    monkeypatch.setattr(S.LayerShadows, "__init__", spy)
+    rep = run_replay(DUMPS / "tiny-bf16.h5", layers=[0], backward=False)
+    assert rep["passed"] and len(seen) == 1
+    session, i, hf = seen[0]
+    assert not isinstance(hf, dict), type(hf)  # a view, not the loaded dict
+    full = CheckpointReader(session.ckpt.dir).hf_tensors(i)
+    assert set(hf) == set(full) and all(np.array_equal(np.asarray(hf[k]), full[k]) for k in ("model.layers.0.input_layernorm.weight",))

@@ -98,6 +98,7 @@ def main() -> None:
         sampler = PeakRss()
         t.load_layer(i, tensors)
         del tensors
+        release_freed_heap()  # as a replay does after loading (parity.replay.strategies: no host copy kept)
         peak_load, after_load = sampler.peak() - base, rss_bytes() - base  # the loader's part of the first peak
         hn = h.float().numpy() if a.dtype == "float32" else h.view(torch.int16).numpy().view("bfloat16")
         cn = cot.float().numpy() if a.dtype == "float32" else cot.view(torch.int16).numpy().view("bfloat16")

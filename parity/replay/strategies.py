@@ -40,6 +40,21 @@ def _read(s: Session, p: Point) -> np.ndarray | None:
     return s.dump.read(p) if s.dump.has(p) else None
 
 
+def _after_load(s: Session, i: int, hf: dict) -> dict:
+    """The layer's checkpoint tensors for what runs after the target has loaded them (the norms' rounding checks, the
+    shadows' own loads): a read-on-access view where the checkpoint reader has one (CheckpointReader.lazy_tensors),
+    so the host copy of the layer's weights is not held beside the target's device copy for the whole layer; else
+    `hf` itself. The same tensors either way (issue 33 item 1: the first call's peak RSS)."""
+    lazy = getattr(s.ckpt, "lazy_tensors", None)
+    return hf if lazy is None else lazy(i)
+
+
+def _drop_host_copy() -> None:
+    from parity.targets.reference import release_freed_heap
+
+    release_freed_heap()  # the dict of numpy arrays just dropped: its heap back to the OS
+
+
 def _bias(hf: dict, i: int) -> np.ndarray | None:
     b = hf.get(f"model.layers.{i}.mlp.gate.expert_bias")
     return None if b is None else np.asarray(b, np.float64)
@@ -70,6 +85,8 @@ def observe_layer(s: Session, i: int) -> Iterator[Observation]:
     hf = s.ckpt.hf_tensors(i)
     s.call(f"layer {i}: load_layer", s.target.load_layer, i, hf)
     bias = _bias(hf, i)
+    hf = _after_load(s, i, hf)
+    _drop_host_copy()
     forcing = s.mode == "forced"
     can_force = "forced_routing" in s.target.capabilities
     state = None
@@ -178,6 +195,8 @@ def observe_free(s: Session, progress=None) -> Iterator[Observation]:
         hf = s.ckpt.hf_tensors(i)
         s.call(f"layer {i}: load_layer", s.target.load_layer, i, hf)
         bias = _bias(hf, i)
+        del hf  # free mode reads nothing else of the layer's checkpoint tensors
+        _drop_host_copy()
         state = None
         try:
             for phase, step in steps:
@@ -224,6 +243,8 @@ def observe_isolated(s: Session, i: int, backward: bool = True) -> Iterator[Obse
     hf = s.ckpt.hf_tensors(i)
     s.call(f"layer {i}: load_layer", s.target.load_layer, i, hf)
     bias = _bias(hf, i)
+    hf = _after_load(s, i, hf)
+    _drop_host_copy()
     graph = layer_graph(cfg.layer_kind(i), cfg.is_moe(i), cfg.q_lora)
     history: list[tuple[str, int]] = []  # every earlier (phase, step) of this replay
     try:
