@@ -760,3 +760,25 @@ def test_point_stats_in_chunks_match_numpy(monkeypatch, dtype):
     assert (s["min"], s["max"], s["absmax"]) == (f.min(), f.max(), np.abs(f).max())
     assert s["mean"] == pytest.approx(f.mean(), rel=FP64_STAT_REL) and s["rms"] == pytest.approx(np.sqrt((f ** 2).mean()),
                                                                                          rel=FP64_STAT_REL)
+
+
+def test_grads_refuse_a_kda_kernel_without_a_backward(tmp_path, monkeypatch):
+    """fla's fused_recurrent_kda is forward-only: with it (prompts of ≤ 64 tokens in the official file on fla's
+    kernels) the KDA cores pass no gradient back and the dump's gradients would be zeros. Planted here by making the
+    stand-in's recurrent core forward-only in the same way (its output detached): --grads refuses in one line naming
+    the missing gradient and what to do, and leaves no file; the real kernel's case runs in tests/test_fla_interpreter.py."""
+    from parity.errors import ParityError
+    from parity.torch_ref import fla_cpu
+
+    real = fla_cpu.kda_recurrent_core
+    monkeypatch.setattr(fla_cpu, "kda_recurrent_core", lambda *a, **k: tuple(
+        t.detach() if t is not None else None for t in real(*a, **k)))
+    out = tmp_path / "r.h5"
+    ids = builtin_ids(512, 24, seed=5)  # ≤ 64 tokens: the recurrent path
+    with pytest.raises(ParityError, match=r"--grads: no KDA layer's core passed a gradient back "
+                                          r"\(model\.layers\.0\.attention\.q_proj\.weight has none\).*fused_recurrent_kda"):
+        dump_checkpoint(CKPT / "tiny-flash", out, ids, _opts(dtype="float32", grads=True))
+    assert not out.exists() and not list(tmp_path.iterdir())
+    monkeypatch.setattr(fla_cpu, "kda_recurrent_core", real)
+    dump_checkpoint(CKPT / "tiny-flash", out, ids, _opts(dtype="float32", grads=True))  # the real stand-in passes
+    assert out.exists()

@@ -114,4 +114,5 @@ def test_a_layer_replay_keeps_no_host_copy_of_the_layers_weights(monkeypatch):
     session, i, hf = seen[0]
     assert not isinstance(hf, dict), type(hf)  # a view, not the loaded dict
     full = CheckpointReader(session.ckpt.dir).hf_tensors(i)
-    assert set(hf) == set(full) and all(np.array_equal(np.asarray(hf[k]), full[k]) for k in ("model.layers.0.input_layernorm.weight",))
+    key = "model.layers.0.input_layernorm.weight"
+    assert set(hf) == set(full) and np.array_equal(np.asarray(hf[key]), full[key])

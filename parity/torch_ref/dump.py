@@ -720,6 +720,7 @@ def run_backward(model, map_name: str, cfg: Ling3Config, cap: Capture, recorder:
         loss = main + opts.mtp_loss_scale * mtp  # the official forward's `loss += scaling_factor * mtp_loss`
     try:
         loss.backward()
+        _check_kda_cores_differentiated(model, map_name, cfg)
         for hf_name, _p, g in hf_param_grads(model, map_name):
             point = grad_point(hf_name, cfg.num_hidden_layers, mtp=mtp is not None)
             layer = point.mtp + cfg.num_hidden_layers if isinstance(point, MtpPoint) else getattr(point, "layer", None)
@@ -733,6 +734,26 @@ def run_backward(model, map_name: str, cfg: Ling3Config, cap: Capture, recorder:
     mtp_rec = None if mtp is None else mtp_loss_record(opts.mtp_loss_scale, float(mtp.detach()),
                                                        float(main.detach()), B * (T - 2))
     return loss_record(float(main.detach()), B * (T - 1), grad_dtype, opts.stats_only, mtp_rec)
+
+
+def _check_kda_cores_differentiated(model, map_name: str, cfg: Ling3Config) -> None:
+    """Refuse a --grads dump whose KDA core passed no gradient back: then every KDA layer's q_proj weight has none
+    (autograd gave it nothing, where a real gradient — however small — is a tensor). fla's `fused_recurrent_kda` is
+    forward-only (a plain function around its forward kernel: no autograd Function), and the official file calls it
+    for prompts of ≤ 64 tokens on fla's kernels; those gradients would be written as zeros (measured: the official
+    tiny-flash at 40 tokens under Triton's interpreter, its q_proj gradient 0 and input_layernorm's cotangent 12× off
+    in rel-L2 against the reference's VJP)."""
+    kda = [i for i in range(cfg.num_hidden_layers) if cfg.layer_kind(i) == "kda"]
+    if not kda:
+        return
+    names = {f"model.layers.{i}.attention.q_proj.weight" for i in kda}
+    none = [hf for hf, p, _g in hf_param_grads(model, map_name) if hf in names and p.grad is None]
+    if len(none) == len(kda):
+        raise ParityError(f"--grads: no KDA layer's core passed a gradient back ({none[0]} has none): the kernel "
+                          "that ran the KDA core has no backward — fla's fused_recurrent_kda is forward-only, and "
+                          "the official file and the twin call it for prompts of ≤ 64 tokens; dump --grads with a "
+                          "prompt of more than 64 tokens (chunk_kda has a backward) or on the CPU stand-ins "
+                          "(--cpu-kernels)")
 
 
 def _snapshot(cap: Capture, sink, written: set, pkv, cfg, layers, phase, step, opts: DumpOptions) -> None:
