@@ -54,18 +54,10 @@ KINDS = [("kda", False), ("mla", True), ("kda", True), ("mla", False)]  # what l
 
 
 def tiny_config(**over):
-    from transformers import KimiLinearConfig
+    """The `tiny` Kimi Linear preset of `tools/make_ckpt.py --family kimi-linear` (eager attention and experts)."""
+    from parity.torch_ref.kimi_ckpt import kimi_config
 
-    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
-              qk_nope_head_dim=16, v_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2,
-              num_local_experts=8, n_shared_experts=1, routed_scaling_factor=2.446, initializer_range=0.1,
-              linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
-                                  "kda_layers": [1, 3], "full_attn_layers": [2, 4]},  # 1-based, as checkpoints
-              mlp_layer_types=MLP_TYPES, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-              attn_implementation="eager", experts_implementation="eager")
-    kw.update(over)
-    return KimiLinearConfig(**kw)
+    return kimi_config("tiny", **over)
 
 
 def _capture(model, ids, inputs=None, fp64=False):
@@ -168,7 +160,7 @@ def _ratio(b, i: int, out=None) -> tuple[float, float, float]:
 
 def test_spec_reads_the_layer_kinds(builtin):
     assert [(s.kind, s.moe) for s in (layer_spec(builtin["cfg"], i, "float32") for i in range(4))] == KINDS
-    assert builtin["cfg"].layer_types == LAYER_TYPES
+    assert builtin["cfg"].layer_types == LAYER_TYPES and builtin["cfg"].mlp_layer_types == MLP_TYPES
 
 
 @pytest.mark.parametrize("i", range(4), ids=[f"layer_{i}_{k}_{'moe' if m else 'dense'}"

@@ -19,6 +19,7 @@ than the logit-driven score spread, so routing is neither degenerate nor bias-dr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -229,6 +230,36 @@ def build_tokenizer_files(out: Path, vocab_size: int, pad_id: int | None, eos_id
     _write_json(out / "tokenizer_config.json", tcfg)
 
 
+
+def refuse_existing(out: Path, force: bool) -> None:
+    """Refuse (CheckpointError, one line) to replace an existing non-empty `out` unless `force`, and even with `force`
+    a directory that holds no config.json (not a checkpoint: never deleted)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not force:
+            raise CheckpointError(f"{out}: already exists and is not empty; pass force=True (--force) to replace it")
+        if out.is_dir() and not (out / "config.json").exists():
+            raise CheckpointError(f"{out}: exists but holds no config.json; refusing to delete a non-checkpoint directory")
+
+
+@contextlib.contextmanager
+def written_atomically(out: Path):
+    """A temporary sibling directory to write a checkpoint into; on success it is made world-readable and renamed to
+    `out` (replacing it), on any error removed: a crash never leaves a half-written checkpoint under `out`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def make_checkpoint(
     out_dir: str | Path,
     preset_or_config: str | dict | Ling3Config,
@@ -255,20 +286,14 @@ def make_checkpoint(
     dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype not in DTYPES:
         raise ConfigError(f"dtype = {dtype!r}: expected one of bf16/bfloat16/fp32/float32")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not force:
-            raise CheckpointError(f"{out}: already exists and is not empty; pass force=True (--force) to replace it")
-        if out.is_dir() and not (out / "config.json").exists():
-            raise CheckpointError(f"{out}: exists but holds no config.json; refusing to delete a non-checkpoint directory")
+    refuse_existing(out, force)
     d = resolve_config(preset_or_config, layers, overrides)
     cfg = Ling3Config.from_dict(d, source="checkpoint config")
     specs = checkpoint_tensors(cfg)
     shards = plan_shards(specs, DTYPES[dtype], max_shard_bytes)
     tdtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with written_atomically(out) as tmp:
         weight_map: dict[str, str] = {}
         total = 0
         n = len(shards)
@@ -305,15 +330,6 @@ def make_checkpoint(
                               cfg.eos_token_id if not isinstance(cfg.eos_token_id, list) else cfg.eos_token_id[0])
         for f in TWIN_FILES:
             shutil.copyfile(TWIN_DIR / f, tmp / f)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -386,7 +402,13 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="make_ckpt.py", description="Write a random Ling3 checkpoint (official layout, "
                                  "twin remote code) — deterministic: same arguments, byte-identical directory.")
-    ap.add_argument("--preset", required=True, choices=CKPT_PRESETS)
+    from parity.torch_ref.kimi_ckpt import KIMI_PRESETS
+
+    ap.add_argument("--family", choices=("ling3", "kimi-linear"), default="ling3",
+                    help="ling3 (default): the official layout with the twin's remote code; kimi-linear: "
+                         "transformers' built-in KimiLinearForCausalLM written by its save_pretrained (issue 34)")
+    ap.add_argument("--preset", required=True, choices=sorted(set(CKPT_PRESETS) | set(KIMI_PRESETS)),
+                    help=f"ling3: {', '.join(CKPT_PRESETS)}; kimi-linear: {', '.join(KIMI_PRESETS)}")
     ap.add_argument("--seed", required=True, type=int)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--layers", type=int, default=None, help="keep N main layers (the MTP layer is kept too)")
@@ -409,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     fk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any Ling3 config field, VALUE as JSON (null, -5.0, [1.0, 2.0], true); repeatable")
     a = ap.parse_args(argv)
+    if a.family == "kimi-linear":
+        return _main_kimi(a)
+    if a.preset not in CKPT_PRESETS:
+        print(f"make_ckpt: error: --preset {a.preset}: not a Ling3 preset (expected one of {', '.join(CKPT_PRESETS)}; "
+              f"--family kimi-linear for the Kimi Linear ones)", file=sys.stderr)
+        return 2
     try:
         if a.modeling == "official":
             from parity.torch_ref import official
@@ -424,4 +452,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     n = len(directory_digest(path))
     print(f"wrote {path} ({n} files)")
+    return 0
+
+
+def _main_kimi(a) -> int:
+    """`make_ckpt.py --family kimi-linear`: the built-in Kimi Linear (parity.torch_ref.kimi_ckpt). The Ling3 layout
+    options do not apply to it: each given one is refused in one line."""
+    import sys
+
+    from parity.torch_ref.kimi_ckpt import make_kimi_checkpoint
+
+    ling3_only = [opt for opt, given in (("--layers", a.layers is not None), ("--gate-form", a.gate_form is not None),
+                                         ("--q-lora-rank", a.q_lora_rank is not None),
+                                         ("--swiglu-clamp", a.swiglu_clamp is not None), ("--set", bool(a.set)),
+                                         ("--modeling", a.modeling != "twin"),
+                                         ("--max-shard-mb", a.max_shard_mb != DEFAULT_MAX_SHARD_BYTES / 2**20))
+                  if given]
+    if ling3_only:
+        print(f"make_ckpt: error: {ling3_only[0]} is a Ling3 option; --family kimi-linear takes --preset, --seed, "
+              f"--out, --dtype and --force", file=sys.stderr)
+        return 2
+    try:
+        path = make_kimi_checkpoint(a.out, a.preset, seed=a.seed, dtype=a.dtype, force=a.force)
+    except (CheckpointError, ConfigError, ParityError) as e:
+        print(f"make_ckpt: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path} ({len(directory_digest(path))} files)")
     return 0
