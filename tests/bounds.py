@@ -423,12 +423,15 @@ TWIN_OFFICIAL_LOSS_FP32_ULPS = Bound(
         "dump is held to exact equality")
 XEON_KIMI = "Intel Xeon 2-core VM, AVX-512 (GenuineIntel/AVX512), 2026-11-28"
 XEON_KIMI_AVX2 = "same Xeon, LING3_PARITY_CPU_ISA=AVX2 (oneDNN, MKL, ATen, XLA capped to AVX2), 2026-11-28"
+AMD_EPYC_KIMI = "AMD EPYC 2-core VM, AVX-512 + avx512_bf16 (AuthenticAMD/AVX512), with and without the AVX2 caps, 2026-11-29"
 KIMI_LAYER_FP32_NOISE_MULTIPLE = Bound(
-    "KIMI_LAYER_FP32_NOISE_MULTIPLE", 8.0, measured=0.98, measured_on=(XEON_KIMI, XEON_KIMI_AVX2), kind="fp64-relative",
+    "KIMI_LAYER_FP32_NOISE_MULTIPLE", 8.0, measured=1.51, measured_on=(XEON_KIMI, XEON_KIMI_AVX2, AMD_EPYC_KIMI),
+    kind="fp64-relative",
     why="a JAX Kimi Linear layer's fp32 error against the float64 built-in on the same layer input, as a multiple of "
         "the fp32 built-in's own error (its noise floor, 3e-7..8e-7 of the layer update): two fp32 evaluations of the "
         "same maths in different summation orders, ratio 0.53-0.92 over the 4 layers (eager and jitted; 0.98 with the "
-        "AVX2 caps, q-LoRA MLA layer 0.96); 8 as the "
+        "AVX2 caps, q-LoRA MLA layer 0.96; one MLA + MoE decode token 1.51, 1.49 with the caps, on the AMD EPYC: a "
+        "single token's error is a small sample); 8 as the "
         "suite's other fp32-noise multiples (KDA recurrent, twin gradients). The planted porting bugs give >= 1.1e5")
 KIMI_LAYER_BF16_NOISE_MULTIPLE = Bound(
     "KIMI_LAYER_BF16_NOISE_MULTIPLE", 3.5, measured=1.03, measured_on=(XEON_KIMI, XEON_KIMI_AVX2), kind="fp64-relative",

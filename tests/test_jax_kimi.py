@@ -12,8 +12,8 @@ with `KIMI_LAYER_BF16_NOISE_MULTIPLE`. Each planted porting bug (`MUTANTS`) must
 the bound (the issue's three KDA ones in bf16 too). On CPU without fla's Triton kernels the built-in runs its own
 torch KDA (`chunk_kimi_delta_attention`); that is checked against fla's `naive_recurrent_kda` in float64 here too.
 
-Also: one KDA decode step through the built-in's cache (layer 0), the q-LoRA MLA branch, the router alone, config
-validation and weight-name errors.
+Also: one decode step through the built-in's cache of a KDA layer (0) and of an MLA + MoE layer (1), the q-LoRA
+MLA branch, the router alone, config validation and weight-name errors.
 
 Measured (2-core Xeon, AVX-512, 2026-11-28, also with the AVX2 caps; tests/bounds.py): fp32 error ratios 0.53-0.98
 (JAX 2.8e-7..5.7e-7 of the layer update), KDA decode 0.83, bf16 0.97-1.03, planted bugs >= 1.1e5 in fp32 and
@@ -262,6 +262,71 @@ def test_kda_decode_step_matches_the_builtin(builtin, monkeypatch, bug):
         assert ej / eb > KIMI_LAYER_FP32_NOISE_MULTIPLE
     else:
         assert ej / eb <= KIMI_LAYER_FP32_NOISE_MULTIPLE
+
+
+def _no_mla_cache(p, x, spec, cache=None):
+    """A decode whose new token attends only to itself (the key/value cache not used)."""
+    out, pts, _ = _ORIG_MLA(p, x, spec, None)
+    return out, pts, cache
+
+
+_ORIG_MLA = kimi_mla.mla_attention
+
+
+@pytest.mark.parametrize("bug", [None, "mla_cache_ignored"])
+def test_mla_moe_decode_step_matches_the_builtin(builtin, monkeypatch, bug):
+    """Prefill 70 tokens, then one decode token through the built-in's `DynamicCache` vs the JAX layer continuing from
+    its own prefill cache: layer 1 (MLA + MoE, the decode token routed too). The float64 built-in is teacher-forced:
+    a pre-hook feeds its layer 1 the fp32 run's layer-1 input at both calls (prefill and decode), so its cache is
+    built from the same inputs. A decode that ignores the cache must fail."""
+    b = builtin
+    ids = torch.cat([b["ids"], torch.tensor([[5]])], dim=1)  # not-a-bound: a token id
+
+    def run(model, fp64, forced=None):
+        cap, calls = [], []
+        layer = model.model.layers[1]
+
+        def pre(mod, args, kwargs):
+            calls.append(None)
+            if forced is None:
+                return None
+            return (forced[len(calls) - 1].to(args[0].dtype),) + args[1:], kwargs
+
+        hs = [layer.register_forward_pre_hook(pre, with_kwargs=True),
+              layer.register_forward_hook(lambda mod, args, kwargs, out: cap.append((args[0].clone(), out.clone())),
+                                          with_kwargs=True)]
+        try:
+            with torch.no_grad():
+                if fp64:
+                    with Float64Mode():
+                        o = model(ids[:, :T], use_cache=True)
+                        model(ids[:, T:], past_key_values=o.past_key_values, use_cache=True)
+                else:
+                    o = model(ids[:, :T], use_cache=True)
+                    model(ids[:, T:], past_key_values=o.past_key_values, use_cache=True)
+        finally:
+            for h in hs:
+                h.remove()
+        return cap
+
+    c32 = run(b["model"], False)
+    c64 = run(b["model64_32"], True, forced=[c32[0][0], c32[1][0]])
+    spec = layer_spec(b["cfg"], 1, "float32")
+    p = layer_params(b["model"].state_dict(), 1, spec)
+    _, pts = decoder_layer(p, jnp.asarray(c32[0][0].numpy()), spec)
+    state = (pts["self_attn.k_nope_cache"], pts["self_attn.k_rot_cache"], pts["self_attn.v_cache"])
+    assert state[0].shape[1] == T
+    if bug:
+        monkeypatch.setattr(kimi_mla, "mla_attention", _no_mla_cache)
+    out, dpts = decoder_layer(p, jnp.asarray(c32[1][0].numpy()), spec, state)
+    x, ref = c32[1][0], c64[1][1]
+    ej, eb = _update_err(out, ref, x), _update_err(c32[1][1], ref, x)
+    print(f"MLA+MoE decode step ({bug or 'correct'}): JAX fp32 error {ej:.2e}, built-in {eb:.2e}, ratio {ej / eb:.3g}")
+    if bug:
+        assert ej / eb > KIMI_LAYER_FP32_NOISE_MULTIPLE
+    else:
+        assert ej / eb <= KIMI_LAYER_FP32_NOISE_MULTIPLE
+        assert dpts["self_attn.k_nope_cache"].shape[1] == T + 1
 
 
 # ------------------------------------------------------------------------------------------ planted porting bugs

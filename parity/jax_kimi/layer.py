@@ -18,18 +18,17 @@ def decoder_layer(p: dict, h: jnp.ndarray, spec: KimiLayerSpec, state: tuple | N
     """One decoder layer on the residual stream h [B,T,D]. Returns (out [B,T,D], points {name: array}); point names
     are the built-in's module names relative to the layer (`self_attn`, `self_attn.forget_gate`,
     `mlp.gate.topk_idx`, …). A KDA layer also returns its state as points `self_attn.recurrent_state` and
-    `self_attn.conv_state`; `state` = that pair continues the sequence (decode). MLA layers run from the start of the
-    sequence only (no latent cache yet)."""
+    `self_attn.conv_state`, an MLA layer its key/value cache as `self_attn.k_nope_cache`, `self_attn.k_rot_cache` and
+    `self_attn.v_cache`; `state` = that pair or triple continues the sequence (decode)."""
     m = spec.model
     pts: dict[str, jnp.ndarray] = {"input": h}
     x = pts["input_layernorm"] = rms_norm(h, p["input_layernorm"], m.eps)
     if spec.kind == "kda":
         a, apts, (S, conv) = kda.kda_attention(p["self_attn"], x, spec, state)
         apts["self_attn.recurrent_state"], apts["self_attn.conv_state"] = S, conv
-    elif state is not None:
-        raise ValueError("parity.jax_kimi: MLA layers have no cache yet (prefill from the sequence start only)")
     else:
-        a, apts = mla.mla_attention(p["self_attn"], x, spec)
+        a, apts, cache = mla.mla_attention(p["self_attn"], x, spec, state)
+        apts["self_attn.k_nope_cache"], apts["self_attn.k_rot_cache"], apts["self_attn.v_cache"] = cache
     pts.update(apts)
     pts["self_attn"] = a
     h = h + a
