@@ -11,7 +11,8 @@ positions. What is Kimi's own:
 - every prefill runs the chunked form (`chunk_kimi_delta_attention`, chunk 64); only a one-token step with a state
   runs the recurrence (`recurrent_kimi_delta_attention`), both in fp32;
 - precision: the gate is fp32 (`forget_gate.float()`), beta = σ(b_proj x) in the activation dtype (the built-in
-  applies `torch.sigmoid` to the model-dtype projection), the core output cast back to it.
+  applies `torch.sigmoid` to the model-dtype projection), the core output cast back to it; the short conv rounds
+  where the kernel the built-in ran does (`spec.CONV_KERNELS`: its torch fallback rounds the conv before the SiLU).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def kda_attention(p: dict, x: jnp.ndarray, spec: KimiLayerSpec, state: tuple | N
     S0, conv0 = (None, None) if state is None else state
     pts: dict[str, jnp.ndarray] = {}
     mixed = jnp.concatenate([linear(x, p[f"{n}_proj"]) for n in ("q", "k", "v")], axis=-1)  # [B,T,3P]
-    y, conv = short_conv(mixed, p["conv1d"], conv0)
+    y, conv = short_conv(mixed, p["conv1d"], conv0, fused=m.conv_kernel == "fused")
     q, k, v = (y[..., j * P:(j + 1) * P].reshape(B, T, H, d) for j in range(3))
     g = pts["self_attn.forget_gate"] = forget_gate(p, x, spec)
     beta = jax.nn.sigmoid(linear(x, p["b_proj"]).astype(F32)).astype(x.dtype)

@@ -48,6 +48,8 @@ class KimiModelSpec:
     routed_scaling: float
     moe_intermediate: int
     n_shared_experts: int
+    # which short-conv kernel the built-in ran (`CONV_KERNELS`): its rounding points differ in bf16
+    conv_kernel: str = "torch"
 
     @property
     def jdtype(self):
@@ -81,8 +83,18 @@ def _need(ok: bool, field: str, expected: str, got: Any) -> None:
         raise ConfigError(f"KimiLinearConfig.{field} = {got!r}: expected {expected} (parity.jax_kimi)")
 
 
-def model_spec(cfg: Any, dtype: str) -> KimiModelSpec:
-    """Validated statics from a `KimiLinearConfig` (or anything with its attributes)."""
+# The built-in's short conv: "torch" — its torch fallbacks (`causal_conv1d_fn` / `causal_conv1d_update`, what it runs
+# on CPU without kernels): the conv rounded to the activation dtype, then SiLU, rounded again; "fused" — a fused
+# kernel (fla's / causal-conv1d's), fp32 inside and rounded once, as Ling3's runtimes (facts §3.2). Equal in fp32; in
+# bf16 the tiny preset's KDA layers are bit-exact against the CPU built-in only with "torch" (docs/kimi_linear.md).
+CONV_KERNELS = ("torch", "fused")
+
+
+def model_spec(cfg: Any, dtype: str, conv_kernel: str = "torch") -> KimiModelSpec:
+    """Validated statics from a `KimiLinearConfig` (or anything with its attributes); `conv_kernel` names the short-conv
+    kernel of the run to mirror (`CONV_KERNELS`)."""
+    if conv_kernel not in CONV_KERNELS:
+        raise ConfigError(f"conv_kernel = {conv_kernel!r}: expected one of {CONV_KERNELS} (parity.jax_kimi)")
     mt = getattr(cfg, "model_type", None)
     _need(mt == "kimi_linear", "model_type", "'kimi_linear'", mt)
     _need(cfg.hidden_act == "silu", "hidden_act", "'silu' (the only activation modelled)", cfg.hidden_act)
@@ -108,10 +120,10 @@ def model_spec(cfg: Any, dtype: str) -> KimiModelSpec:
         qk_nope=cfg.qk_nope_head_dim, qk_rope=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
         num_experts=E, top_k=k, n_group=G, topk_group=tg, norm_topk_prob=bool(cfg.norm_topk_prob),
         routed_scaling=float(cfg.routed_scaling_factor), moe_intermediate=cfg.moe_intermediate_size,
-        n_shared_experts=cfg.n_shared_experts)
+        n_shared_experts=cfg.n_shared_experts, conv_kernel=conv_kernel)
 
 
-def layer_spec(cfg: Any, i: int, dtype: str) -> KimiLayerSpec:
+def layer_spec(cfg: Any, i: int, dtype: str, conv_kernel: str = "torch") -> KimiLayerSpec:
     """Statics of decoder layer i: `layer_types[i]` picks KDA or MLA, `mlp_layer_types[i]` MoE or dense
     (`KimiLinearDecoderLayer.__init__`)."""
     n = cfg.num_hidden_layers
@@ -121,5 +133,5 @@ def layer_spec(cfg: Any, i: int, dtype: str) -> KimiLayerSpec:
         types = getattr(cfg, field)
         _need(types is not None and len(types) == n, field, f"a list of num_hidden_layers = {n} entries", types)
         _need(types[i] in allowed, f"{field}[{i}]", f"one of {allowed}", types[i])
-    return KimiLayerSpec(model=model_spec(cfg, dtype), kind=LAYER_KINDS[cfg.layer_types[i]],
+    return KimiLayerSpec(model=model_spec(cfg, dtype, conv_kernel), kind=LAYER_KINDS[cfg.layer_types[i]],
                          moe=cfg.mlp_layer_types[i] == "sparse")

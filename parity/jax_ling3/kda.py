@@ -45,11 +45,15 @@ def kda_gate(a: jnp.ndarray, A_log: jnp.ndarray, dt_bias: jnp.ndarray, lower_bou
     return lower_bound * jax.nn.sigmoid(rate * x)
 
 
-def short_conv(x: jnp.ndarray, w: jnp.ndarray, cache: jnp.ndarray | None = None) -> tuple[jnp.ndarray, jnp.ndarray]:
+def short_conv(x: jnp.ndarray, w: jnp.ndarray, cache: jnp.ndarray | None = None,
+               fused: bool = True) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Causal depthwise conv + SiLU (facts §3.2), fp32 inside, output cast to x.dtype (as the fused kernels).
 
     x [B,T,P]; w [P,W] (w[:, W-1] multiplies the current token); cache [B,P,W] = the last W inputs (fla convention,
-    facts §3.11) or None for zero history. Returns (y [B,T,P], new cache [B,P,W] in x.dtype)."""
+    facts §3.11) or None for zero history. Returns (y [B,T,P], new cache [B,P,W] in x.dtype). `fused=False`: the conv
+    output is rounded to x.dtype before the SiLU, which is rounded again — an unfused conv1d then activation, as
+    transformers' torch fallbacks (`causal_conv1d_fn` / `causal_conv1d_update` of its Kimi Linear, CPU without
+    kernels) compute it; the same values in fp32."""
     B, T, P = x.shape
     W = w.shape[-1]
     hist = jnp.zeros((B, P, W), x.dtype) if cache is None else cache.astype(x.dtype)
@@ -58,6 +62,8 @@ def short_conv(x: jnp.ndarray, w: jnp.ndarray, cache: jnp.ndarray | None = None)
     wf = w.astype(F32)
     # y_t = Σ_j w[:, j] · x_{t-W+1+j}; in `full` token t sits at index W+t, so tap j reads index t+1+j.
     y = sum(wf[None, :, j, None] * ff[:, :, 1 + j: 1 + j + T] for j in range(W))
+    if not fused:
+        y = y.astype(x.dtype).astype(F32)
     y = (y * jax.nn.sigmoid(y)).astype(x.dtype)
     return jnp.swapaxes(y, 1, 2), full[:, :, -W:]
 
