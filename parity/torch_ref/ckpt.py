@@ -19,11 +19,8 @@ than the logit-driven score spread, so routing is neither degenerate nor bias-dr
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
-import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from parity.model.config import ALIASES, PRESETS, Ling3Config, field_value_error
 from parity.errors import CheckpointError, ConfigError, ParityError
+from parity.model.config import ALIASES, PRESETS, Ling3Config, field_value_error
+from parity.torch_ref.atomic_dir import refuse_existing, written_atomically
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 DTYPES = {"bfloat16": 2, "float32": 4}
@@ -230,34 +228,6 @@ def build_tokenizer_files(out: Path, vocab_size: int, pad_id: int | None, eos_id
     _write_json(out / "tokenizer_config.json", tcfg)
 
 
-
-def refuse_existing(out: Path, force: bool) -> None:
-    """Refuse (CheckpointError, one line) to replace an existing non-empty `out` unless `force`, and even with `force`
-    a directory that holds no config.json (not a checkpoint: never deleted)."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not force:
-            raise CheckpointError(f"{out}: already exists and is not empty; pass force=True (--force) to replace it")
-        if out.is_dir() and not (out / "config.json").exists():
-            raise CheckpointError(f"{out}: exists but holds no config.json; refusing to delete a non-checkpoint directory")
-
-
-@contextlib.contextmanager
-def written_atomically(out: Path):
-    """A temporary sibling directory to write a checkpoint into; on success it is made world-readable and renamed to
-    `out` (replacing it), on any error removed: a crash never leaves a half-written checkpoint under `out`."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def make_checkpoint(

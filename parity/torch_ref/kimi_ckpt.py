@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.errors import CheckpointError, ConfigError
-from parity.torch_ref.ckpt import refuse_existing, written_atomically
+from parity.torch_ref.atomic_dir import refuse_existing, written_atomically
 
 # tests/test_jax_kimi.py's configuration (its `tiny_config`): every layer kind, a grouped router, a shared expert.
 KIMI_PRESETS: dict[str, dict[str, Any]] = {
