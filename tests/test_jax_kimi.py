@@ -225,44 +225,63 @@ def _no_conv_history(x, w, cache=None, **kw):
 _ORIG_SHORT_CONV = kimi_kda.short_conv
 
 
+def _prefill_then_decode(model, ids, layer_i: int, fp64: bool, forced=None) -> list:
+    """[(input, output)] of decoder layer `layer_i` at the prefill of ids[:, :T] and at one decode step of the rest
+    through the built-in's cache; `forced` = [prefill input, decode input] replaces that layer's input at each call
+    (teacher forcing: the float64 run's cache is then built from the same inputs)."""
+    import contextlib
+
+    cap, calls = [], []
+    layer = model.model.layers[layer_i]
+
+    def pre(mod, args, kwargs):
+        calls.append(None)
+        return None if forced is None else ((forced[len(calls) - 1].to(args[0].dtype),) + args[1:], kwargs)
+
+    hs = [layer.register_forward_pre_hook(pre, with_kwargs=True),
+          layer.register_forward_hook(lambda mod, args, kwargs, out: cap.append((args[0].clone(), out.clone())),
+                                      with_kwargs=True)]
+    try:
+        with torch.no_grad(), (Float64Mode() if fp64 else contextlib.nullcontext()):
+            o = model(ids[:, :T], use_cache=True)
+            model(ids[:, T:], past_key_values=o.past_key_values, use_cache=True)
+    finally:
+        for h in hs:
+            h.remove()
+    return cap
+
+
+def _decode_step_ratio(b, monkeypatch, layer_i: int, state_points: tuple[str, ...], teacher_force: bool,
+                       patch=None) -> float:
+    """Prefill 70 tokens and one decode token (id 5) through the built-in's cache, fp32 and float64; the JAX layer
+    continues from the state points of its own prefill (with `patch` = (module, attribute, replacement) applied to
+    the decode). Returns the JAX decode output's fp32 error / the built-in's, both against the float64 run."""
+    ids = torch.cat([b["ids"], torch.tensor([[5]])], dim=1)  # not-a-bound: a token id
+    c32 = _prefill_then_decode(b["model"], ids, layer_i, False)
+    c64 = _prefill_then_decode(b["model64_32"], ids, layer_i, True,
+                               forced=[c32[0][0], c32[1][0]] if teacher_force else None)
+    spec = layer_spec(b["cfg"], layer_i, "float32")
+    p = layer_params(b["model"].state_dict(), layer_i, spec)
+    _, pts = decoder_layer(p, jnp.asarray(c32[0][0].numpy()), spec)
+    state = tuple(pts[n] for n in state_points)
+    if patch:
+        monkeypatch.setattr(*patch)
+    out, _ = decoder_layer(p, jnp.asarray(c32[1][0].numpy()), spec, state)
+    x, ref = c32[1][0], c64[1][1]
+    ej, eb = _update_err(out, ref, x), _update_err(c32[1][1], ref, x)
+    print(f"layer {layer_i} decode step: JAX fp32 error {ej:.2e}, built-in {eb:.2e}, ratio {ej / eb:.3g}")
+    return ej / eb
+
+
 @pytest.mark.parametrize("bug", [None, "conv_history_dropped"])
 def test_kda_decode_step_matches_the_builtin(builtin, monkeypatch, bug):
     """Prefill 70 tokens, then one decode token through the built-in's cache (`recurrent_kimi_delta_attention`,
     `causal_conv1d_update`) vs the JAX layer continuing from its own prefill state. Layer 0 (KDA + dense): its input
     is the embedding, the same in the fp32 and the float64 runs, so no teacher forcing is needed. A decode that drops
     the conv history must fail."""
-    import contextlib
-
-    b = builtin
-    ids = torch.cat([b["ids"], torch.tensor([[5]])], dim=1)  # not-a-bound: a token id
-
-    def run(model, fp64):
-        cap = []
-        h = model.model.layers[0].register_forward_hook(
-            lambda mod, args, kwargs, out: cap.append((args[0].clone(), out.clone())), with_kwargs=True)
-        try:
-            with torch.no_grad(), (Float64Mode() if fp64 else contextlib.nullcontext()):
-                o = model(ids[:, :T], use_cache=True)
-                model(ids[:, T:], past_key_values=o.past_key_values, use_cache=True)
-        finally:
-            h.remove()
-        return cap
-
-    c32, c64 = run(b["model"], False), run(b["model64_32"], True)
-    spec = layer_spec(b["cfg"], 0, "float32")
-    p = layer_params(b["model"].state_dict(), 0, spec)
-    _, pts = decoder_layer(p, jnp.asarray(c32[0][0].numpy()), spec)
-    state = (pts["self_attn.recurrent_state"], pts["self_attn.conv_state"])
-    if bug:
-        monkeypatch.setattr(kimi_kda, "short_conv", _no_conv_history)
-    out, _ = decoder_layer(p, jnp.asarray(c32[1][0].numpy()), spec, state)
-    x, ref = c32[1][0], c64[1][1]
-    ej, eb = _update_err(out, ref, x), _update_err(c32[1][1], ref, x)
-    print(f"KDA decode step ({bug or 'correct'}): JAX fp32 error {ej:.2e}, built-in {eb:.2e}, ratio {ej / eb:.3g}")
-    if bug:
-        assert ej / eb > KIMI_LAYER_FP32_NOISE_MULTIPLE
-    else:
-        assert ej / eb <= KIMI_LAYER_FP32_NOISE_MULTIPLE
+    r = _decode_step_ratio(builtin, monkeypatch, 0, ("self_attn.recurrent_state", "self_attn.conv_state"), False,
+                           (kimi_kda, "short_conv", _no_conv_history) if bug else None)
+    assert (r > KIMI_LAYER_FP32_NOISE_MULTIPLE) if bug else (r <= KIMI_LAYER_FP32_NOISE_MULTIPLE), r
 
 
 def _no_mla_cache(p, x, spec, cache=None):
@@ -277,57 +296,30 @@ _ORIG_MLA = kimi_mla.mla_attention
 @pytest.mark.parametrize("bug", [None, "mla_cache_ignored"])
 def test_mla_moe_decode_step_matches_the_builtin(builtin, monkeypatch, bug):
     """Prefill 70 tokens, then one decode token through the built-in's `DynamicCache` vs the JAX layer continuing from
-    its own prefill cache: layer 1 (MLA + MoE, the decode token routed too). The float64 built-in is teacher-forced:
-    a pre-hook feeds its layer 1 the fp32 run's layer-1 input at both calls (prefill and decode), so its cache is
-    built from the same inputs. A decode that ignores the cache must fail."""
-    b = builtin
-    ids = torch.cat([b["ids"], torch.tensor([[5]])], dim=1)  # not-a-bound: a token id
+    its own prefill cache (all 71 tokens' keys and values): layer 1 (MLA + MoE, the decode token routed too). The
+    float64 built-in is teacher-forced: a pre-hook feeds its layer 1 the fp32 run's layer-1 input at both calls, so
+    its cache is built from the same inputs. A decode that ignores the cache must fail."""
+    r = _decode_step_ratio(builtin, monkeypatch, 1,
+                           ("self_attn.k_nope_cache", "self_attn.k_rot_cache", "self_attn.v_cache"), True,
+                           (kimi_mla, "mla_attention", _no_mla_cache) if bug else None)
+    assert (r > KIMI_LAYER_FP32_NOISE_MULTIPLE) if bug else (r <= KIMI_LAYER_FP32_NOISE_MULTIPLE), r
 
-    def run(model, fp64, forced=None):
-        cap, calls = [], []
-        layer = model.model.layers[1]
 
-        def pre(mod, args, kwargs):
-            calls.append(None)
-            if forced is None:
-                return None
-            return (forced[len(calls) - 1].to(args[0].dtype),) + args[1:], kwargs
+def test_mla_cache_holds_every_token():
+    """The MLA decode's cache: prefill T tokens, decode 1: the returned cache holds T + 1 tokens, its first T the
+    prefill's."""
+    cfg = tiny_config()
+    spec = layer_spec(cfg, 1, "float32")
+    from parity.torch_ref.kimi_ckpt import kimi_model
 
-        hs = [layer.register_forward_pre_hook(pre, with_kwargs=True),
-              layer.register_forward_hook(lambda mod, args, kwargs, out: cap.append((args[0].clone(), out.clone())),
-                                          with_kwargs=True)]
-        try:
-            with torch.no_grad():
-                if fp64:
-                    with Float64Mode():
-                        o = model(ids[:, :T], use_cache=True)
-                        model(ids[:, T:], past_key_values=o.past_key_values, use_cache=True)
-                else:
-                    o = model(ids[:, :T], use_cache=True)
-                    model(ids[:, T:], past_key_values=o.past_key_values, use_cache=True)
-        finally:
-            for h in hs:
-                h.remove()
-        return cap
-
-    c32 = run(b["model"], False)
-    c64 = run(b["model64_32"], True, forced=[c32[0][0], c32[1][0]])
-    spec = layer_spec(b["cfg"], 1, "float32")
-    p = layer_params(b["model"].state_dict(), 1, spec)
-    _, pts = decoder_layer(p, jnp.asarray(c32[0][0].numpy()), spec)
+    p = layer_params(kimi_model("tiny", 0).state_dict(), 1, spec)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((1, 9, cfg.hidden_size)), jnp.float32)
+    _, pts = decoder_layer(p, x[:, :8], spec)
     state = (pts["self_attn.k_nope_cache"], pts["self_attn.k_rot_cache"], pts["self_attn.v_cache"])
-    assert state[0].shape[1] == T
-    if bug:
-        monkeypatch.setattr(kimi_mla, "mla_attention", _no_mla_cache)
-    out, dpts = decoder_layer(p, jnp.asarray(c32[1][0].numpy()), spec, state)
-    x, ref = c32[1][0], c64[1][1]
-    ej, eb = _update_err(out, ref, x), _update_err(c32[1][1], ref, x)
-    print(f"MLA+MoE decode step ({bug or 'correct'}): JAX fp32 error {ej:.2e}, built-in {eb:.2e}, ratio {ej / eb:.3g}")
-    if bug:
-        assert ej / eb > KIMI_LAYER_FP32_NOISE_MULTIPLE
-    else:
-        assert ej / eb <= KIMI_LAYER_FP32_NOISE_MULTIPLE
-        assert dpts["self_attn.k_nope_cache"].shape[1] == T + 1
+    _, dpts = decoder_layer(p, x[:, 8:], spec, state)
+    for n, old in zip(("self_attn.k_nope_cache", "self_attn.k_rot_cache", "self_attn.v_cache"), state):
+        assert dpts[n].shape[1] == 9 and np.array_equal(np.asarray(dpts[n][:, :8]), np.asarray(old)), n
 
 
 # ------------------------------------------------------------------------------------------ planted porting bugs
