@@ -228,8 +228,6 @@ def build_tokenizer_files(out: Path, vocab_size: int, pad_id: int | None, eos_id
     _write_json(out / "tokenizer_config.json", tcfg)
 
 
-
-
 def make_checkpoint(
     out_dir: str | Path,
     preset_or_config: str | dict | Ling3Config,
