@@ -225,10 +225,13 @@ def _no_conv_history(x, w, cache=None, **kw):
 _ORIG_SHORT_CONV = kimi_kda.short_conv
 
 
+DECODE_IDS = (5, 17, 42)  # the decode tokens (ids, not bounds)
+
+
 def _prefill_then_decode(model, ids, layer_i: int, fp64: bool, forced=None) -> list:
-    """[(input, output)] of decoder layer `layer_i` at the prefill of ids[:, :T] and at one decode step of the rest
-    through the built-in's cache; `forced` = [prefill input, decode input] replaces that layer's input at each call
-    (teacher forcing: the float64 run's cache is then built from the same inputs)."""
+    """[(input, output)] of decoder layer `layer_i` at the prefill of ids[:, :T] and at each following token decoded
+    one at a time through the built-in's cache; `forced` = [prefill input, decode inputs...] replaces that layer's
+    input at each call (teacher forcing: the float64 run's cache is then built from the same inputs)."""
     import contextlib
 
     cap, calls = [], []
@@ -243,8 +246,9 @@ def _prefill_then_decode(model, ids, layer_i: int, fp64: bool, forced=None) -> l
                                       with_kwargs=True)]
     try:
         with torch.no_grad(), (Float64Mode() if fp64 else contextlib.nullcontext()):
-            o = model(ids[:, :T], use_cache=True)
-            model(ids[:, T:], past_key_values=o.past_key_values, use_cache=True)
+            cache = model(ids[:, :T], use_cache=True).past_key_values
+            for t in range(T, ids.shape[1]):
+                cache = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).past_key_values
     finally:
         for h in hs:
             h.remove()
@@ -252,35 +256,40 @@ def _prefill_then_decode(model, ids, layer_i: int, fp64: bool, forced=None) -> l
 
 
 def _decode_step_ratio(b, monkeypatch, layer_i: int, state_points: tuple[str, ...], teacher_force: bool,
-                       patch=None) -> float:
-    """Prefill 70 tokens and one decode token (id 5) through the built-in's cache, fp32 and float64; the JAX layer
-    continues from the state points of its own prefill (with `patch` = (module, attribute, replacement) applied to
-    the decode). Returns the JAX decode output's fp32 error / the built-in's, both against the float64 run."""
-    ids = torch.cat([b["ids"], torch.tensor([[5]])], dim=1)  # not-a-bound: a token id
+                       patch=None, steps: int = 1) -> float:
+    """Prefill 70 tokens and `steps` decode tokens (`DECODE_IDS`) one at a time through the built-in's cache, fp32
+    and float64; the JAX layer continues from the state points of its own prefill, step after step (with `patch` =
+    (module, attribute, replacement) applied to the decode). Returns the largest over the steps of the JAX decode
+    output's fp32 error / the built-in's, both against the float64 run."""
+    ids = torch.cat([b["ids"], torch.tensor([DECODE_IDS[:steps]])], dim=1)
     c32 = _prefill_then_decode(b["model"], ids, layer_i, False)
     c64 = _prefill_then_decode(b["model64_32"], ids, layer_i, True,
-                               forced=[c32[0][0], c32[1][0]] if teacher_force else None)
+                               forced=[x for x, _ in c32] if teacher_force else None)
     spec = layer_spec(b["cfg"], layer_i, "float32")
     p = layer_params(b["model"].state_dict(), layer_i, spec)
     _, pts = decoder_layer(p, jnp.asarray(c32[0][0].numpy()), spec)
     state = tuple(pts[n] for n in state_points)
     if patch:
         monkeypatch.setattr(*patch)
-    out, _ = decoder_layer(p, jnp.asarray(c32[1][0].numpy()), spec, state)
-    x, ref = c32[1][0], c64[1][1]
-    ej, eb = _update_err(out, ref, x), _update_err(c32[1][1], ref, x)
-    print(f"layer {layer_i} decode step: JAX fp32 error {ej:.2e}, built-in {eb:.2e}, ratio {ej / eb:.3g}")
-    return ej / eb
+    worst = 0.0
+    for k in range(1, steps + 1):
+        out, pts = decoder_layer(p, jnp.asarray(c32[k][0].numpy()), spec, state)
+        state = tuple(pts[n] for n in state_points)
+        x, ref = c32[k][0], c64[k][1]
+        ej, eb = _update_err(out, ref, x), _update_err(c32[k][1], ref, x)
+        print(f"layer {layer_i} decode step {k}: JAX fp32 error {ej:.2e}, built-in {eb:.2e}, ratio {ej / eb:.3g}")
+        worst = max(worst, ej / eb)
+    return worst
 
 
-@pytest.mark.parametrize("bug", [None, "conv_history_dropped"])
-def test_kda_decode_step_matches_the_builtin(builtin, monkeypatch, bug):
-    """Prefill 70 tokens, then one decode token through the built-in's cache (`recurrent_kimi_delta_attention`,
-    `causal_conv1d_update`) vs the JAX layer continuing from its own prefill state. Layer 0 (KDA + dense): its input
-    is the embedding, the same in the fp32 and the float64 runs, so no teacher forcing is needed. A decode that drops
-    the conv history must fail."""
+@pytest.mark.parametrize("bug,steps", [(None, 3), ("conv_history_dropped", 1)])
+def test_kda_decode_step_matches_the_builtin(builtin, monkeypatch, bug, steps):
+    """Prefill 70 tokens, then decode tokens one at a time through the built-in's cache
+    (`recurrent_kimi_delta_attention`, `causal_conv1d_update`) vs the JAX layer continuing from its own state. Layer 0
+    (KDA + dense): its input is the embedding, the same in the fp32 and the float64 runs, so no teacher forcing is
+    needed. A decode that drops the conv history must fail."""
     r = _decode_step_ratio(builtin, monkeypatch, 0, ("self_attn.recurrent_state", "self_attn.conv_state"), False,
-                           (kimi_kda, "short_conv", _no_conv_history) if bug else None)
+                           (kimi_kda, "short_conv", _no_conv_history) if bug else None, steps)
     assert (r > KIMI_LAYER_FP32_NOISE_MULTIPLE) if bug else (r <= KIMI_LAYER_FP32_NOISE_MULTIPLE), r
 
 
@@ -293,15 +302,15 @@ def _no_mla_cache(p, x, spec, cache=None):
 _ORIG_MLA = kimi_mla.mla_attention
 
 
-@pytest.mark.parametrize("bug", [None, "mla_cache_ignored"])
-def test_mla_moe_decode_step_matches_the_builtin(builtin, monkeypatch, bug):
-    """Prefill 70 tokens, then one decode token through the built-in's `DynamicCache` vs the JAX layer continuing from
-    its own prefill cache (all 71 tokens' keys and values): layer 1 (MLA + MoE, the decode token routed too). The
-    float64 built-in is teacher-forced: a pre-hook feeds its layer 1 the fp32 run's layer-1 input at both calls, so
-    its cache is built from the same inputs. A decode that ignores the cache must fail."""
+@pytest.mark.parametrize("bug,steps", [(None, 3), ("mla_cache_ignored", 1)])
+def test_mla_moe_decode_step_matches_the_builtin(builtin, monkeypatch, bug, steps):
+    """Prefill 70 tokens, then decode tokens one at a time through the built-in's `DynamicCache` vs the JAX layer
+    continuing from its own key/value cache: layer 1 (MLA + MoE, each decode token routed too). The float64 built-in
+    is teacher-forced: a pre-hook feeds its layer 1 the fp32 run's layer-1 input at every call, so its cache is built
+    from the same inputs. A decode that ignores the cache must fail."""
     r = _decode_step_ratio(builtin, monkeypatch, 1,
                            ("self_attn.k_nope_cache", "self_attn.k_rot_cache", "self_attn.v_cache"), True,
-                           (kimi_mla, "mla_attention", _no_mla_cache) if bug else None)
+                           (kimi_mla, "mla_attention", _no_mla_cache) if bug else None, steps)
     assert (r > KIMI_LAYER_FP32_NOISE_MULTIPLE) if bug else (r <= KIMI_LAYER_FP32_NOISE_MULTIPLE), r
 
 
