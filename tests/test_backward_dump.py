@@ -766,7 +766,7 @@ def test_grads_refuse_a_kda_kernel_without_a_backward(tmp_path, monkeypatch):
     """fla's fused_recurrent_kda is forward-only: with it (prompts of ≤ 64 tokens in the official file on fla's
     kernels) the KDA cores pass no gradient back and the dump's gradients would be zeros. Planted here by making the
     stand-in's recurrent core forward-only in the same way (its output detached): --grads refuses in one line naming
-    the missing gradient and what to do, and leaves no file; the real kernel's case runs in tests/test_fla_interpreter.py."""
+    the missing gradient and what to do, and leaves no file; the real kernel's case runs in .ci/run's triton step."""
     from parity.errors import ParityError
     from parity.torch_ref import fla_cpu
 

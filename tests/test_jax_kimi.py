@@ -93,21 +93,14 @@ def _capture(model, ids, inputs=None, fp64=False):
 def builtin():
     """The built-in in fp32 (seeded random weights; norms, o_norm and the router bias perturbed off their init so
     that a misplaced weight shows) and a float64 copy, one prompt, the fp32 run's captures."""
-    from transformers import KimiLinearForCausalLM
     from transformers.utils import logging
 
+    from parity.torch_ref.kimi_ckpt import kimi_model
+
     logging.set_verbosity_error()  # the torch-fallback notices for causal_conv1d / chunk_kda (expected on CPU)
-    torch.manual_seed(0)
-    cfg = tiny_config()
-    model = KimiLinearForCausalLM(cfg).eval()
     gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))  # not-a-bound: perturbation size
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.copy_(0.1 * torch.randn(8, generator=gen))  # not-a-bound
+    model = kimi_model("tiny", 0, gen)  # tools/make_ckpt.py --family kimi-linear --preset tiny --seed 0's weights
+    cfg = model.config
     model64 = copy.deepcopy(model).double()
     ids = torch.randint(3, cfg.vocab_size, (1, T), generator=gen)
     layers32, routers32 = _capture(model, ids)

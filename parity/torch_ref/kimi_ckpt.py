@@ -47,14 +47,16 @@ def kimi_config(preset: str, **over: Any):
     return KimiLinearConfig(**{**KIMI_PRESETS[preset], **EAGER, **over})
 
 
-def kimi_model(preset: str, seed: int):
-    """The built-in `KimiLinearForCausalLM` of the preset in fp32, eval mode, with the seeded weights (module doc)."""
+def kimi_model(preset: str, seed: int, gen=None):
+    """The built-in `KimiLinearForCausalLM` of the preset in fp32, eval mode, with the seeded weights (module doc).
+    `gen`: the torch.Generator of the perturbation (default: seeded with seed + 1); a caller that draws more from it
+    afterwards (a prompt) gets a sequence that continues the weights'."""
     import torch
     from transformers import KimiLinearForCausalLM
 
     torch.manual_seed(seed)
     model = KimiLinearForCausalLM(kimi_config(preset)).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
+    gen = torch.Generator().manual_seed(seed + 1) if gen is None else gen
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
