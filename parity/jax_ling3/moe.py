@@ -16,10 +16,13 @@ Two evaluations of the routed experts, same maths per (token, expert) row:
   Its backward is its own VJP (`jax.custom_vjp`, `_routed_blocked_bwd`): reverse-mode AD cannot go through the loop's
   routing-dependent trip counts, and plain AD of a static-length form (issue 26) scattered every block's weight
   gradient into the whole [E, ...] stacks (17.8x the twin's autograd at Ling3-Tiny MLA+MoE T=512). The VJP runs
-  each used expert's rows in one chunk (4 GEMMs, no per-block fp32 gradient sums: its bits are not pinned, so it
-  is not bound to the forward's <= 32-row blocks) and writes each expert's gradients once, in the HF layout; the
-  forward it runs is the same loop (`_expert_rows`), so the forward bits do not depend on whether a backward
-  follows. XLA:CPU traps the loops avoid (measured): a `lax.switch` carrying the row buffers, and a dynamic slice of
+  each used expert's rows in one chunk (no per-block fp32 gradient sums: its bits are not pinned, so it is not
+  bound to the forward's <= 32-row blocks), recomputes the chunk's g, u and y there instead of keeping the forward
+  loop's buffers as residuals (so a layer VJP, whose primal output is unused, runs no forward loop at all), and
+  writes each expert's gradients once, in the HF layout; the primal output is the same loop (`_expert_rows`), so the
+  forward bits do not depend on whether a backward follows. In a bf16 layer its products that contract the weights'
+  own dims run as bf16 x bf16 -> fp32 dots on the bf16 weights (`BWD_BF16_DOTS`: on a CPU with native bf16 dots
+  they are 2-3x the upcast ones). XLA:CPU traps the loops avoid (measured): a `lax.switch` carrying the row buffers, and a dynamic slice of
   a bf16 array (~0.75 GB/s: `_expert_weights` slices uint16 bits).
 
 The readable pair: `routed_experts_dense` and its plain-AD VJP (tests/test_jax_moe_blocked.py, test_jax_moe_vjp.py).
@@ -160,6 +163,17 @@ def _expert_weights(stack: jnp.ndarray, dt):
     return lambda e: up(jax.lax.bitcast_convert_type(bits[e], jnp.bfloat16))
 
 
+def _bf16_slab(stack: jnp.ndarray):
+    """e -> stack[e] of a bf16 stack, sliced as uint16 bits (`_expert_weights`), not upcast."""
+    bits = jax.lax.bitcast_convert_type(stack, jnp.uint16)
+    return lambda e: jax.lax.bitcast_convert_type(bits[e], jnp.bfloat16)
+
+
+def _bf16_dot(eq: str, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
+    """bf16 x bf16 -> fp32 einsum without an upcast: the VJP's input-side products (`BWD_BF16_DOTS`)."""
+    return jnp.einsum(eq, a, b, preferred_element_type=F32)
+
+
 def _first_holding(sizes: tuple[int, ...], n):
     """Index of the first of the ascending static `sizes` that is >= n (traced n <= sizes[-1])."""
     return jnp.sum(jnp.asarray(sizes) < n).astype(jnp.int32)
@@ -225,9 +239,15 @@ def _routed_blocked(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, l
 
 def _routed_blocked_fwd(p, x, idx, w, limit, Bs, Bb):
     rows = _sort_rows(idx, p["experts_gate"].shape[0], Bs)
-    ys, gs, us = _expert_rows(p, x, rows, limit, Bs, save=True)  # the same blocks, the same ys bits
-    return _combine(ys, rows, w, x.dtype), (p, x, idx, w, rows, ys, gs, us)
+    # the VJP recomputes the rows' g, u and y itself (`_routed_blocked_bwd`), so no residual holds the loop's buffers
+    # and a VJP whose primal output is not used (the layer VJP) drops this loop altogether
+    return _combine(_expert_rows(p, x, rows, limit, Bs, save=False), rows, w, x.dtype), (p, x, idx, w, rows)
 
+
+# The VJP's input-side products (dh = dy Wd^T, dx = dg Wg^T + du Wu^T) of a bf16 layer as bf16 x bf16 -> fp32 dots on
+# the bf16 weights, not on an fp32 copy of them. Their bits are not pinned (only the forward's are); the products are
+# the same, summed in another order. Read at trace time.
+BWD_BF16_DOTS = True
 
 # the VJP's chunk sizes below its largest chunk (`bwd_chunk_sizes`): steps of 8 rows up to 32, then ~1.5x apart
 _BWD_STEPS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384)
@@ -246,10 +266,10 @@ def _routed_blocked_bwd(limit, Bs, Bb, res, dout):
     """The VJP of the blocked path, expert by expert: each used expert's rows in one GEMM per product (not in the
     forward's blocks), its three weight gradients in fp32, written once into the gradient stacks, rounded once.
 
-    Per row it is the VJP plain AD takes through the forward's roundings: the row's output cotangent is
-    dt(dout · w) (the cotangent of the dt expert output), dh = dt(dy · Wd^T), (dg, du) = swiglu's own VJP, the
-    row's input cotangent [dg du] · [Wg Wu]^T in fp32 (gate and up as one GEMM). The rows of a token are summed in
-    fp32 and cast once. The gradients' bits are not pinned (the forward's are: `_expert_rows`), so an expert's rows
+    Per row it is the VJP plain AD takes through the forward's roundings: the chunk's g, u, h = swiglu(g, u) and
+    y = dt(h · Wd) are recomputed (dw = dout · y per row, in fp32), the row's output cotangent is dt(dout · w) (the
+    cotangent of the dt expert output), dh = dt(dy · Wd^T), (dg, du) = swiglu's own VJP, the row's input cotangent
+    [dg du] · [Wg Wu]^T in fp32. The rows of a token are summed in fp32 and cast once. The gradients' bits are not pinned (the forward's are: `_expert_rows`), so an expert's rows
     go in one chunk of the smallest of `bwd_chunk_sizes` that holds them (a `lax.switch` over static sizes: < 8 rows
     of padding up to 32 rows, < a third above), i.e. 4 GEMMs and no fp32 gradient accumulation per expert (a
     [1536, 1024] fp32 add per extra block cost as much as a block's GEMM at Ling3-Tiny). A chunk's rows past its
@@ -261,7 +281,7 @@ def _routed_blocked_bwd(limit, Bs, Bb, res, dout):
     and stacked in the HF layout ([out, in] per expert: dgu^T x, dy^T h) and returned swapped to p's layout, a swap
     the jitted layer VJP undoes for free (`backward.experts_to_hf`). Readable reference: plain AD of
     `routed_experts_dense` (tests/test_jax_moe_vjp.py)."""
-    p, x, idx, w, rows, ys, gs, us = res
+    p, x, idx, w, rows = res
     dt = x.dtype
     N, D = x.shape
     k = idx.shape[-1]
@@ -272,18 +292,19 @@ def _routed_blocked_bwd(limit, Bs, Bb, res, dout):
     R = A + Bb  # Bb spare rows for the last expert's spill
     up = _up()
     dout_f = dout.astype(F32)
+    names = ("experts_gate", "experts_up", "experts_down")
     inv = jnp.argsort(rows.order)
-    dw = jnp.einsum("nd,nkd->nk", dout_f, ys[inv].reshape(N, k, D), precision=HI).astype(w.dtype)
     dy = (dout_f[:, None, :] * w.astype(F32)[:, :, None]).astype(dt).reshape(A, D)
 
     def padded(a, rows_in_order):
         return jnp.concatenate([rows_in_order, jnp.zeros((R - rows_in_order.shape[0],) + a.shape[1:], a.dtype)])
 
-    dys = up(padded(dy, dy[rows.order]))
-    xs = up(jnp.concatenate([x[rows.tok[:A]], jnp.zeros((Bb, D), dt)]))
-    gus = jnp.concatenate([gs[:A], us[:A]], axis=1)  # [A, 2I] fp32 holding dt values
-    gus = padded(gus, gus)
-    names = ("experts_gate", "experts_up", "experts_down")
+    bf16_dots = BWD_BF16_DOTS and dt == jnp.bfloat16 and all(p[n].dtype == jnp.bfloat16 for n in names)
+    dys = padded(dy, dy[rows.order])
+    dys = dys if bf16_dots else up(dys)
+    douts = jnp.concatenate([dout[rows.tok[:A]], jnp.zeros((Bb, D), dout.dtype)])  # each row's unweighted cotangent
+    xs = jnp.concatenate([x[rows.tok[:A]], jnp.zeros((Bb, D), dt)])
+    xs = xs if bf16_dots else up(xs)
     # gradient stacks in the HF layout [E, out, in] (returned swapped to p's [E, in, out]: `experts_to_hf` in the
     # jitted layer VJP swaps them back, which XLA cancels, so the host gets the HF layout without a transpose), as
     # integer bits when 2-byte (XLA:CPU has no bf16 dynamic-update-slice: see `_expert_rows`)
@@ -301,51 +322,74 @@ def _routed_blocked_bwd(limit, Bs, Bb, res, dout):
     def swiglu_split(gu):
         return swiglu(gu[:, :I], gu[:, I:], limit)
 
-    slabs = [_expert_weights(p[n], dt) for n in names]
+    if bf16_dots:  # the expert's weights as they are, bf16 (`_bf16_slab`)
+        slabs = [_bf16_slab(p[n]) for n in names]
 
-    def weights(e):
-        return jnp.concatenate([slabs[0](e), slabs[1](e)], axis=1), slabs[2](e)  # [D, 2I], [I, D]
+        def weights(e):
+            return tuple(slab(e) for slab in slabs)  # Wg [D, I], Wu [D, I], Wd [I, D]
+    else:
+        slabs = [_expert_weights(p[n], dt) for n in names]
 
-    def chunk(e, wgu, wd, size, off):  # `size` rows from expert e's row `off`: (dgu^T x, dy^T h, dx rows [Bb, D])
+        def weights(e):
+            return jnp.concatenate([slabs[0](e), slabs[1](e)], axis=1), slabs[2](e)  # [D, 2I], [I, D]
+
+    def chunk(e, ws, size, off):  # `size` rows from expert e's row `off`: (dgu^T x, dy^T h, dx rows [Bb, D], dw rows)
         r0 = rows.seg_start[e] + off
         valid = (off + jnp.arange(size)) < rows.counts[e]
         xb = jax.lax.dynamic_slice_in_dim(xs, r0, size)
-        gub = jax.lax.dynamic_slice_in_dim(gus, r0, size).astype(dt)
         dyb = jnp.where(valid[:, None], jax.lax.dynamic_slice_in_dim(dys, r0, size), 0)
-        h, swiglu_vjp = jax.vjp(swiglu_split, gub)
-        dgu = up(swiglu_vjp(matmul_f32(dyb, wd.T).astype(dt))[0])  # [size, 2I]
-        dxr = jnp.pad(matmul_f32(dgu, wgu.T), ((0, Bb - size), (0, 0)))
-        return matmul_f32(dgu.T, xb), matmul_f32(dyb.T, up(h)), dxr
+        if bf16_dots:  # bf16 x bf16 -> fp32 products on the bf16 weights
+            wg, wu, wd = ws
+            gu = jnp.concatenate([_bf16_dot("nd,di->ni", xb, wg), _bf16_dot("nd,di->ni", xb, wu)], 1).astype(dt)
+            h, swiglu_vjp = jax.vjp(swiglu_split, gu)
+            y = _bf16_dot("ni,id->nd", h, wd).astype(dt)  # the rows' outputs, for dw
+            dgu = swiglu_vjp(_bf16_dot("nd,id->ni", dyb, wd).astype(dt))[0]  # [size, 2I] in dt
+            dxr = _bf16_dot("ni,di->nd", dgu[:, :I], wg) + _bf16_dot("ni,di->nd", dgu[:, I:], wu)
+            xb, dgu, dyb = up(xb), up(dgu), up(dyb)
+        else:
+            wgu, wd = ws
+            h, swiglu_vjp = jax.vjp(swiglu_split, matmul_f32(xb, wgu).astype(dt))
+            y = matmul_f32(up(h), wd).astype(dt)
+            dgu = up(swiglu_vjp(matmul_f32(dyb, wd.T).astype(dt))[0])  # [size, 2I]
+            dxr = matmul_f32(dgu, wgu.T)
+        dwr = jnp.sum(jax.lax.dynamic_slice_in_dim(douts, r0, size).astype(F32) * y.astype(F32), axis=1)
+        pad = Bb - size
+        return matmul_f32(dgu.T, xb), matmul_f32(dyb.T, up(h)), jnp.pad(dxr, ((0, pad), (0, 0))), jnp.pad(dwr, (0, pad))
 
     def expert_body(i, carry):  # every used expert, its first min(count, Bb) rows in one chunk
-        dxs, stacks = carry
+        dxs, dws, stacks = carry
         e = rows.used[i]
-        wgu, wd = weights(e)
+        ws = weights(e)
         which = _first_holding(sizes, jnp.minimum(rows.counts[e], Bb))
-        gut, gdt, dxr = jax.lax.switch(which, [partial(chunk, e, wgu, wd, t) for t in sizes], 0)
-        return jax.lax.dynamic_update_slice_in_dim(dxs, dxr, rows.seg_start[e], axis=0), put(stacks, e, gut, gdt)
+        gut, gdt, dxr, dwr = jax.lax.switch(which, [partial(chunk, e, ws, t) for t in sizes], 0)
+        r0 = rows.seg_start[e]
+        return (jax.lax.dynamic_update_slice_in_dim(dxs, dxr, r0, axis=0),
+                jax.lax.dynamic_update_slice_in_dim(dws, dwr, r0, axis=0), put(stacks, e, gut, gdt))
 
     def overflow_body(i, carry):  # an expert with more than Bb rows: all of them, chunks of Bb, fp32 sums
-        dxs, stacks = carry
+        dxs, dws, stacks = carry
         e = over[i]
-        wgu, wd = weights(e)
+        ws = weights(e)
 
         def one(j, acc):
-            gut, gdt, dxs = acc
-            g1, g2, dxr = chunk(e, wgu, wd, Bb, j * Bb)
+            gut, gdt, dxs, dws = acc
+            g1, g2, dxr, dwr = chunk(e, ws, Bb, j * Bb)
             r0 = rows.seg_start[e] + j * Bb
-            mine = ((j * Bb + jnp.arange(Bb)) < rows.counts[e])[:, None]
-            dxr = jnp.where(mine, dxr, jax.lax.dynamic_slice_in_dim(dxs, r0, Bb))  # the next experts' rows kept
-            return gut + g1, gdt + g2, jax.lax.dynamic_update_slice_in_dim(dxs, dxr, r0, axis=0)
+            mine = (j * Bb + jnp.arange(Bb)) < rows.counts[e]
+            dxr = jnp.where(mine[:, None], dxr, jax.lax.dynamic_slice_in_dim(dxs, r0, Bb))  # the next experts' rows kept
+            dwr = jnp.where(mine, dwr, jax.lax.dynamic_slice_in_dim(dws, r0, Bb))
+            return (gut + g1, gdt + g2, jax.lax.dynamic_update_slice_in_dim(dxs, dxr, r0, axis=0),
+                    jax.lax.dynamic_update_slice_in_dim(dws, dwr, r0, axis=0))
 
-        acc0 = (jnp.zeros((2 * I, D), F32), jnp.zeros((D, I), F32), dxs)
-        gut, gdt, dxs = jax.lax.fori_loop(0, (rows.counts[e] + Bb - 1) // Bb, one, acc0)
-        return dxs, put(stacks, e, gut, gdt)
+        acc0 = (jnp.zeros((2 * I, D), F32), jnp.zeros((D, I), F32), dxs, dws)
+        gut, gdt, dxs, dws = jax.lax.fori_loop(0, (rows.counts[e] + Bb - 1) // Bb, one, acc0)
+        return dxs, dws, put(stacks, e, gut, gdt)
 
-    carry = jax.lax.fori_loop(0, rows.n_used, expert_body, (jnp.zeros((R, D), F32), stack0))
+    carry = jax.lax.fori_loop(0, rows.n_used, expert_body, (jnp.zeros((R, D), F32), jnp.zeros((R,), F32), stack0))
     over = jnp.argsort(rows.counts <= Bb, stable=True).astype(jnp.int32)  # experts with > Bb rows first
-    dxs, stacks = jax.lax.fori_loop(0, jnp.sum(rows.counts > Bb).astype(jnp.int32), overflow_body, carry)
+    dxs, dws, stacks = jax.lax.fori_loop(0, jnp.sum(rows.counts > Bb).astype(jnp.int32), overflow_body, carry)
     dx = jnp.sum(dxs[:A][inv].reshape(N, k, D), axis=1).astype(dt)
+    dw = dws[:A][inv].reshape(N, k).astype(w.dtype)
     dp = {n: jnp.swapaxes(jax.lax.bitcast_convert_type(s, p[n].dtype) if bits[n] is not None else s, 1, 2)
           for n, s in zip(names, stacks)}
     return dp, dx, None, dw
