@@ -6,7 +6,8 @@ Ling3-Tiny from `tools/make_ckpt.py --preset ling3-tiny --layers 4`). `--layers 
 `LING3_PARITY_CPU_ISA=AVX2` runs it as on an AVX2-only CPU (`parity.cpu_isa`: caps oneDNN, MKL, ATen, XLA:CPU).
 
 Prints per layer: kind, JAX first call (compile or persistent-cache load + run), JAX warm (median of reps), twin
-(median of reps), ratio; the same medians in CPU time (`time.process_time`, all threads: on a shared machine pinned to
+first call (its warm-up: oneDNN builds its kernels, the allocator fills) and twin warm (median of the reps after it),
+ratio of the warm medians; the same medians in CPU time (`time.process_time`, all threads: on a shared machine pinned to
 one core, e.g. `taskset -c 1`, it counts only this process's share of the core, where wall time counts the other
 jobs too). Then memory (`parity.backward_cost` defines the terms): the layer's weights + their gradients (2x its
 checkpoint bytes), the activations (bytes the twin's autograd saves for the backward of the layer, parameters
@@ -73,8 +74,8 @@ def main() -> None:
         print(f"layer {i}: twin backward ...", file=sys.stderr, flush=True)
         release_freed_heap()
         tbase, tsampler, act = rss_bytes(), PeakRss(), 0
-        for _ in range(a.reps):
-            x = h.clone().requires_grad_(True)
+        for _ in range(a.reps + 1):  # the first is the twin's warm-up (oneDNN's kernels built, allocator primed),
+            x = h.clone().requires_grad_(True)  # set apart as the JAX side's first call is
             lay.zero_grad(set_to_none=True)
             t0, c0 = time.perf_counter(), time.process_time()
             # the saved-tensor hook only logs two numbers per saved tensor: timed with the rest
@@ -120,9 +121,9 @@ def main() -> None:
         xla = _xla_memory(t, i, hn, cn, fi) if a.xla_memory else None
         t.unload_layer(i)
         kind = f"{cfg.layer_kind(i).upper()}+{'MoE' if cfg.is_moe(i) else 'dense'}"
-        jw, tw = statistics.median(jt), statistics.median(times)
-        jcpu, tcpu = statistics.median(jc), statistics.median(ctimes)
-        print(f"layer {i} {kind} T={a.T}: JAX first {first:.2f} s, JAX warm {jw:.2f} s, twin {tw:.2f} s, "
+        jw, tw = statistics.median(jt), statistics.median(times[1:])
+        jcpu, tcpu = statistics.median(jc), statistics.median(ctimes[1:])
+        print(f"layer {i} {kind} T={a.T}: JAX first {first:.2f} s, JAX warm {jw:.2f} s, twin first {times[0]:.2f} s, twin warm {tw:.2f} s, "
               f"ratio {jw / tw:.2f}x; CPU time JAX {jcpu:.2f} s, twin {tcpu:.2f} s, ratio {jcpu / tcpu:.2f}x",
               flush=True)
         wg = 2 * wbytes
