@@ -40,6 +40,7 @@ from parity.errors import CheckpointError, ConfigError
 from parity.jax_kimi import kda as kimi_kda
 from parity.jax_kimi import mla as kimi_mla
 from parity.jax_kimi import moe as kimi_moe
+from parity.jax_kimi.check import capture_sites, layer_verdicts
 from parity.jax_kimi.layer import decoder_layer, decoder_layer_jit
 from parity.jax_kimi.spec import layer_spec
 from parity.jax_kimi.weights import layer_params
@@ -432,50 +433,18 @@ def test_planted_bug_is_detected_in_bf16(builtin_bf16, monkeypatch, name):
 
 
 # ------------------------------------------------------------------------------------------ bf16 ULP verdicts
-# The built-in's module outputs -> Ling3's site names, whose calibrated layer-mode bf16 rules judge them
-# (parity.numerics: the rules a replay applies; issue 34 §3 asks whether they carry over to the family).
-ULP_SITES = {"input_layernorm": "input_layernorm", "self_attn": "attention",
-             "post_attention_layernorm": "post_attention_layernorm", "mlp": "mlp"}
-
-
+# The built-in's module outputs, judged at Ling3's site names by its calibrated layer-mode bf16 rules
+# (`parity.jax_kimi.check`: the rules a replay applies; issue 34 §3 asks whether they carry over to the family).
 def _sites16(b) -> dict:
-    """{(layer, built-in module name): its bf16 output} of the bf16 run (one forward, cached), `mlp:in` the MLP's
-    input."""
+    """The bf16 run's captured sites (`check.capture_sites`, one forward, cached)."""
     if "sites16" not in b:
-        got, hs = {}, []
-        for i, layer in enumerate(b["model16"].model.layers):
-            for name in ULP_SITES:
-                hs.append(layer.get_submodule(name).register_forward_hook(
-                    lambda m, a, o, i=i, name=name: got.__setitem__((i, name), (o[0] if isinstance(o, tuple) else o))))
-            hs.append(layer.mlp.register_forward_hook(lambda m, a, o, i=i: got.__setitem__((i, "mlp:in"), a[0])))
-        try:
-            with torch.no_grad():
-                b["model16"](b["ids"])
-        finally:
-            for h in hs:
-                h.remove()
-        b["sites16"] = got
+        b["sites16"] = capture_sites(b["model16"], b["ids"])
     return b["sites16"]
 
 
-def _bf16(t) -> np.ndarray:
-    return np.asarray(t.detach().float().numpy() if hasattr(t, "detach") else jnp.asarray(t, jnp.float32))
-
-
 def _ulp_verdicts(b, i: int, conv_kernel: str = "torch") -> dict:
-    """{Ling3 site: Verdict} of the JAX bf16 layer i (fed the built-in's bf16 layer input) at each captured site and
-    `output`, under Ling3's calibrated layer-mode bf16 rules."""
-    from parity.numerics.compare import compare
-    from parity.numerics.tolerances import default_rules
-
-    rules, sites = default_rules(), _sites16(b)
-    x, out16 = b["layers16"][i]
-    spec = layer_spec(b["cfg"], i, "bfloat16", conv_kernel)
-    out, pts = decoder_layer(layer_params(b["model16"].state_dict(), i, spec), jnp.asarray(_bf16(x), jnp.bfloat16),
-                             spec)
-    pairs = {ULP_SITES[n]: (sites[(i, n)], pts[n]) for n in ULP_SITES} | {"output": (out16, out)}
-    return {site: compare(_bf16(ref), _bf16(test), rules.rule_for(site, "layer", "bfloat16"), name=f"L{i}/{site}",
-                          dtype="bfloat16") for site, (ref, test) in pairs.items()}
+    """{Ling3 site: Verdict} of the JAX bf16 layer i fed the built-in's bf16 layer input (`check.layer_verdicts`)."""
+    return layer_verdicts(b["model16"].state_dict(), b["cfg"], _sites16(b), i, "bfloat16", conv_kernel)[0]
 
 
 @pytest.mark.parametrize("i", [1, 3], ids=["layer_1_mla_moe", "layer_3_mla_dense"])
@@ -495,21 +464,10 @@ def test_kda_layers_bf16_attention_and_teacher_forced_mlp_pass(builtin_bf16, i):
     bit-exact). The layer-mode `mlp` and `output` sites are not asserted: a 1-2 ULP input difference grows through
     the MLP past Ling3's `mlp` rule (measured up to 44 ULP at 23 of 4,480 elements of the MoE layer; the dense one
     too on another input under the AVX2 caps). A Kimi corpus would calibrate them (issue 34 §3)."""
-    from parity.jax_kimi.moe import mlp_block
-    from parity.numerics.compare import compare
-    from parity.numerics.tolerances import default_rules
-
-    b = builtin_bf16
-    v = _ulp_verdicts(b, i)
+    v = _ulp_verdicts(builtin_bf16, i)
     assert v["attention"].passed and v["post_attention_layernorm"].passed, (
         v["attention"].message(), v["post_attention_layernorm"].message())
-    spec = layer_spec(b["cfg"], i, "bfloat16")
-    p = layer_params(b["model16"].state_dict(), i, spec)
-    sites = _sites16(b)
-    y, _ = mlp_block(p["mlp"], jnp.asarray(_bf16(sites[(i, "mlp:in")]), jnp.bfloat16), spec)
-    tf = compare(_bf16(sites[(i, "mlp")]), _bf16(y), default_rules().rule_for("mlp", "layer", "bfloat16"),
-                 name=f"L{i}/mlp teacher-forced", dtype="bfloat16")
-    assert tf.passed, tf.message()
+    assert v["mlp (teacher-forced)"].passed, v["mlp (teacher-forced)"].message()
 
 
 def test_fused_conv_kernel_fails_against_the_cpu_builtin(builtin_bf16):

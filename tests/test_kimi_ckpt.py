@@ -91,3 +91,61 @@ def test_bad_arguments_get_one_line_and_leave_nothing(ckpt, tmp_path, capsys):
     assert main(["--preset", "ling3-tiny", "--family", "kimi-linear", "--seed", "0", "--out", str(tmp_path / "y")]) == 2
     assert "not a Kimi Linear preset" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
+    assert _make(tmp_path / "z", "--keep-layers", "0,9") == 2  # the tiny preset has 4 layers
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--keep-layers 0,9" in err and "0..3" in err, err
+    assert not (tmp_path / "z").exists()
+    assert main(["--preset", "ling3-tiny", "--seed", "0", "--out", str(tmp_path / "w"), "--keep-layers", "0"]) == 2
+    assert "--keep-layers is a Kimi Linear option" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
+# ------------------------------------------------------------------------------------------ the real-shape preset
+def _meta_model(**kw):
+    """The built-in of the 48b-a3b preset on torch's meta device: shapes and names, no memory."""
+    from transformers import KimiLinearForCausalLM
+
+    from parity.torch_ref.kimi_ckpt import kimi_config
+
+    with torch.device("meta"):
+        return KimiLinearForCausalLM(kimi_config("48b-a3b", **kw))
+
+
+def test_48b_a3b_preset_is_the_published_model():
+    """Independent of the code: the published checkpoint (moonshotai/Kimi-Linear-48B-A3B-Instruct) holds
+    49,122,681,728 parameters in its safetensors (its index's total), full attention at the 1-based layers
+    4, 8, ..., 24, 27 of its config.json and one dense layer (first_k_dense_replace = 1)."""
+    model = _meta_model()
+    assert sum(t.numel() for t in model.state_dict().values()) == 49_122_681_728
+    cfg = model.config
+    assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [3, 7, 11, 15, 19, 23, 26]
+    assert [i for i, t in enumerate(cfg.mlp_layer_types) if t == "dense"] == [0]
+
+
+def test_48b_a3b_kept_layers_have_the_published_shapes():
+    """`--keep-layers 0,1,3`: the published layers 0 (KDA + dense), 1 (KDA + MoE) and 3 (MLA + MoE), renumbered, with
+    the published checkpoint's weight shapes (its weight table, in the built-in's module layout: the three q/k/v
+    convs [4096, 1, 4] stacked into `conv1d`, the 256 experts' w1/w3 [1024, 2304] into `gate_up_proj`, w2 into
+    `down_proj`)."""
+    sd = {k: tuple(v.shape) for k, v in _meta_model(keep_layers=[0, 1, 3]).state_dict().items()}
+    want = {
+        "model.layers.0.self_attn.q_proj.weight": (4096, 2304), "model.layers.0.self_attn.k_proj.weight": (4096, 2304),
+        "model.layers.0.self_attn.v_proj.weight": (4096, 2304), "model.layers.0.self_attn.conv1d.weight": (12288, 1, 4),
+        "model.layers.0.self_attn.forget_gate.f_a_proj.weight": (128, 2304),
+        "model.layers.0.self_attn.forget_gate.A_log": (1, 1, 32, 1),
+        "model.layers.0.self_attn.forget_gate.dt_bias": (4096,), "model.layers.0.self_attn.b_proj.weight": (32, 2304),
+        "model.layers.0.self_attn.g_a_proj.weight": (128, 2304), "model.layers.0.mlp.gate_proj.weight": (9216, 2304),
+        "model.layers.1.self_attn.q_proj.weight": (4096, 2304),
+        "model.layers.1.mlp.experts.gate_up_proj": (256, 2048, 2304),
+        "model.layers.1.mlp.experts.down_proj": (256, 2304, 1024),
+        "model.layers.1.mlp.gate.e_score_correction_bias": (256,),
+        "model.layers.1.mlp.shared_experts.gate_proj.weight": (1024, 2304),
+        "model.layers.2.self_attn.q_proj.weight": (6144, 2304),
+        "model.layers.2.self_attn.kv_a_proj_with_mqa.weight": (576, 2304),
+        "model.layers.2.self_attn.kv_b_proj.weight": (8192, 512),
+        "model.layers.2.self_attn.o_proj.weight": (2304, 4096),
+        "model.layers.2.mlp.experts.gate_up_proj": (256, 2048, 2304),
+        "model.embed_tokens.weight": (163840, 2304), "lm_head.weight": (163840, 2304),
+    }
+    assert {k: sd.get(k) for k in want} == want
+    assert not any(k.startswith("model.layers.3.") for k in sd)

@@ -54,11 +54,16 @@ def routed_sum(p: dict, x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray) -> jnp
     return acc
 
 
-def moe_block(p: dict, x: jnp.ndarray, spec: KimiLayerSpec):
-    """`KimiLinearMoE` on the post-attention-normed x [B,T,D]. Returns (y, points)."""
+def moe_block(p: dict, x: jnp.ndarray, spec: KimiLayerSpec, forced_idx: jnp.ndarray | None = None):
+    """`KimiLinearMoE` on the post-attention-normed x [B,T,D]. Returns (y, points). `forced_idx` [B,T,k]: route to
+    these experts (another run's choice, e.g. the built-in's: a near-tie decided the other way then does not hide
+    what follows it), weighted by this run's own router scores."""
     m = spec.model
     B, T, D = x.shape
     logits, idx, w = route(x.reshape(B * T, D), p, m)
+    if forced_idx is not None:
+        idx = jnp.sort(forced_idx.reshape(B * T, -1).astype(jnp.int32), axis=-1)
+        w = routing_weights(logits, idx, m)
     routed = routed_sum(p, x.reshape(B * T, D), idx, w).reshape(B, T, D)
     shared, _ = dense_mlp({n: p[f"shared_{n}"] for n in ("gate_proj", "up_proj", "down_proj")}, x)
     pts = {"mlp.gate.logits": logits.reshape(B, T, -1), "mlp.gate.topk_idx": idx.reshape(B, T, -1),
@@ -66,9 +71,10 @@ def moe_block(p: dict, x: jnp.ndarray, spec: KimiLayerSpec):
     return routed + shared, pts
 
 
-def mlp_block(p: dict, x: jnp.ndarray, spec: KimiLayerSpec):
-    """The layer's MLP: `KimiLinearMoE` or the dense `KimiLinearMLP` (SwiGLU, no clamp). Returns (y, points)."""
+def mlp_block(p: dict, x: jnp.ndarray, spec: KimiLayerSpec, forced_idx: jnp.ndarray | None = None):
+    """The layer's MLP: `KimiLinearMoE` (routing forced to `forced_idx` if given) or the dense `KimiLinearMLP`
+    (SwiGLU, no clamp). Returns (y, points)."""
     if spec.moe:
-        return moe_block(p, x, spec)
+        return moe_block(p, x, spec, forced_idx)
     y, _ = dense_mlp(p, x)
     return y, {}

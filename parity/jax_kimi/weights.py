@@ -24,8 +24,11 @@ def _array(t: Any) -> jnp.ndarray:
     """A torch tensor or array-like as a jnp array of the same dtype (bf16 kept bf16: its fp32 upcast is exact)."""
     if hasattr(t, "detach"):  # torch, without importing it
         t = t.detach().cpu()
-        if str(t.dtype) == "torch.bfloat16":
-            return jnp.asarray(t.float().numpy(), jnp.bfloat16)
+        if str(t.dtype) == "torch.bfloat16":  # its 16 bits as numpy's bfloat16 (ml_dtypes), no fp32 copy
+            import ml_dtypes
+            import torch
+
+            return jnp.asarray(t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16))
         t = t.numpy()
     return jnp.asarray(np.asarray(t))
 

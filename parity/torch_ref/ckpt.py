@@ -388,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
                          "modeling_bailing_moe_v3.py from $LING3_OFFICIAL_MODELING or "
                          "~/.cache/ling3-parity/official/ (sha256-verified; never copied into the repository)")
     ap.add_argument("--force", action="store_true", help="replace an existing checkpoint directory")
+    ap.add_argument("--keep-layers", default=None, metavar="LIST",
+                    help="kimi-linear: the preset's layers to keep, e.g. 0,3 (each with its own kind; renumbered)")
     fk = ap.add_argument_group("config forks (facts sheet; each is a config.json field, validated by the config)")
     fk.add_argument("--gate-form", choices=GATE_FORMS, default=None,
                     help="KDA decay gate: lower-bound (Ling3, kda_lower_bound = the preset's -5) or softplus "
@@ -401,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.family == "kimi-linear":
         return _main_kimi(a)
+    if a.keep_layers is not None:
+        print("make_ckpt: error: --keep-layers is a Kimi Linear option (--family kimi-linear); for Ling3 --layers N "
+              "keeps the first N layers", file=sys.stderr)
+        return 2
     if a.preset not in CKPT_PRESETS:
         print(f"make_ckpt: error: --preset {a.preset}: not a Ling3 preset (expected one of {', '.join(CKPT_PRESETS)}; "
               f"--family kimi-linear for the Kimi Linear ones)", file=sys.stderr)
@@ -438,10 +444,13 @@ def _main_kimi(a) -> int:
                   if given]
     if ling3_only:
         print(f"make_ckpt: error: {ling3_only[0]} is a Ling3 option; --family kimi-linear takes --preset, --seed, "
-              f"--out, --dtype and --force", file=sys.stderr)
+              f"--out, --dtype, --keep-layers and --force", file=sys.stderr)
         return 2
     try:
-        path = make_kimi_checkpoint(a.out, a.preset, seed=a.seed, dtype=a.dtype, force=a.force)
+        from parity.model.points import parse_layers
+
+        keep = parse_layers(a.keep_layers, "--keep-layers")
+        path = make_kimi_checkpoint(a.out, a.preset, seed=a.seed, dtype=a.dtype, force=a.force, keep_layers=keep)
     except (CheckpointError, ConfigError, ParityError) as e:
         print(f"make_ckpt: error: {e}", file=sys.stderr)
         return 2
