@@ -107,7 +107,8 @@ def layer_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any],
     pairs["mlp (teacher-forced)"] = (sites[(i, "mlp")], mlp_tf)
     flips = None
     if spec.moe:
-        pairs["mlp.gate.logits"] = (sites[(i, "mlp.gate.logits")], pts["mlp.gate.logits"].reshape(-1, spec.model.num_experts))
+        logits = pts["mlp.gate.logits"].reshape(-1, spec.model.num_experts)
+        pairs["mlp.gate.logits"] = (sites[(i, "mlp.gate.logits")], logits)
         xn = pts["post_attention_layernorm"]
         _, own, _ = route(xn.reshape(-1, xn.shape[-1]), p["mlp"], spec.model)  # the JAX router's own choice
         flips = routing_flips(sites[(i, "mlp.gate.topk_idx")].numpy(), own)

@@ -22,8 +22,8 @@ Two evaluations of the routed experts, same maths per (token, expert) row:
   writes each expert's gradients once, in the HF layout; the primal output is the same loop (`_expert_rows`), so the
   forward bits do not depend on whether a backward follows. In a bf16 layer its products that contract the weights'
   own dims run as bf16 x bf16 -> fp32 dots on the bf16 weights (`BWD_BF16_DOTS`: on a CPU with native bf16 dots
-  they are 2-3x the upcast ones). XLA:CPU traps the loops avoid (measured): a `lax.switch` carrying the row buffers, and a dynamic slice of
-  a bf16 array (~0.75 GB/s: `_expert_weights` slices uint16 bits).
+  they are 2-3x the upcast ones). XLA:CPU traps the loops avoid (measured): a `lax.switch` carrying the row
+  buffers, and a dynamic slice of a bf16 array (~0.75 GB/s: `_expert_weights` slices uint16 bits).
 
 The readable pair: `routed_experts_dense` and its plain-AD VJP (tests/test_jax_moe_blocked.py, test_jax_moe_vjp.py).
 """
@@ -269,10 +269,11 @@ def _routed_blocked_bwd(limit, Bs, Bb, res, dout):
     Per row it is the VJP plain AD takes through the forward's roundings: the chunk's g, u, h = swiglu(g, u) and
     y = dt(h · Wd) are recomputed (dw = dout · y per row, in fp32), the row's output cotangent is dt(dout · w) (the
     cotangent of the dt expert output), dh = dt(dy · Wd^T), (dg, du) = swiglu's own VJP, the row's input cotangent
-    [dg du] · [Wg Wu]^T in fp32. The rows of a token are summed in fp32 and cast once. The gradients' bits are not pinned (the forward's are: `_expert_rows`), so an expert's rows
-    go in one chunk of the smallest of `bwd_chunk_sizes` that holds them (a `lax.switch` over static sizes: < 8 rows
-    of padding up to 32 rows, < a third above), i.e. 4 GEMMs and no fp32 gradient accumulation per expert (a
-    [1536, 1024] fp32 add per extra block cost as much as a block's GEMM at Ling3-Tiny). A chunk's rows past its
+    [dg du] · [Wg Wu]^T in fp32. The rows of a token are summed in fp32 and cast once. The gradients' bits are not
+    pinned (the forward's are: `_expert_rows`), so an expert's rows go in one chunk of the smallest of
+    `bwd_chunk_sizes` that holds them (a `lax.switch` over static sizes: < 8 rows of padding up to 32 rows, < a
+    third above), i.e. one GEMM per product and no fp32 gradient accumulation per expert (a [1536, 1024] fp32 add
+    per extra block cost as much as a block's GEMM at Ling3-Tiny). A chunk's rows past its
     expert's count (the spill onto the next experts) get a zero cotangent, and their dx rows are overwritten by the
     next experts' chunks, as in the forward. An expert with more rows than the largest chunk (`Bb`; rare: 4x the
     mean) is redone by a second loop over such experts: all its rows in chunks of Bb, the weight gradients summed in
@@ -354,7 +355,8 @@ def _routed_blocked_bwd(limit, Bs, Bb, res, dout):
             dxr = matmul_f32(dgu, wgu.T)
         dwr = jnp.sum(jax.lax.dynamic_slice_in_dim(douts, r0, size).astype(F32) * y.astype(F32), axis=1)
         pad = Bb - size
-        return matmul_f32(dgu.T, xb), matmul_f32(dyb.T, up(h)), jnp.pad(dxr, ((0, pad), (0, 0))), jnp.pad(dwr, (0, pad))
+        return (matmul_f32(dgu.T, xb), matmul_f32(dyb.T, up(h)), jnp.pad(dxr, ((0, pad), (0, 0))),
+                jnp.pad(dwr, (0, pad)))
 
     def expert_body(i, carry):  # every used expert, its first min(count, Bb) rows in one chunk
         dxs, dws, stacks = carry
@@ -376,7 +378,8 @@ def _routed_blocked_bwd(limit, Bs, Bb, res, dout):
             g1, g2, dxr, dwr = chunk(e, ws, Bb, j * Bb)
             r0 = rows.seg_start[e] + j * Bb
             mine = (j * Bb + jnp.arange(Bb)) < rows.counts[e]
-            dxr = jnp.where(mine[:, None], dxr, jax.lax.dynamic_slice_in_dim(dxs, r0, Bb))  # the next experts' rows kept
+            # the next experts' rows kept
+            dxr = jnp.where(mine[:, None], dxr, jax.lax.dynamic_slice_in_dim(dxs, r0, Bb))
             dwr = jnp.where(mine, dwr, jax.lax.dynamic_slice_in_dim(dws, r0, Bb))
             return (gut + g1, gdt + g2, jax.lax.dynamic_update_slice_in_dim(dxs, dxr, r0, axis=0),
                     jax.lax.dynamic_update_slice_in_dim(dws, dwr, r0, axis=0))
