@@ -1028,6 +1028,10 @@ class DumpReader:
         if self._config is None:
             from parity.model.config import Ling3Config
 
+            if self.meta.get("family") == "kimi_linear":  # parity.torch_ref.kimi_dump
+                raise DumpError(f"{self.path}: a Kimi Linear dump (root attr family 'kimi_linear'): replayed by "
+                                "tools/kimi_check.py CKPT --from-dump DUMP, not by pytest parity (Ling3 dumps; "
+                                "docs/kimi_linear.md)")
             try:
                 self._config = Ling3Config.from_dict(json.loads(self.meta["config_json"]),
                                                      source=f"{self.path}:config_json", strict=False)

@@ -36,11 +36,12 @@ import torch
 from bounds import (FP32_GATE_VS_FP64, FP32_REORDERED, FP64_SAME_MATHS_REL, KIMI_KDA_CORE_FP32_NOISE_MULTIPLE,
                     KIMI_LAYER_BF16_NOISE_MULTIPLE, KIMI_LAYER_FP32_NOISE_MULTIPLE)
 from parity.torch_ref.fp64 import Float64Mode
+from parity.torch_ref.kimi_dump import capture_sites
 from parity.errors import CheckpointError, ConfigError
 from parity.jax_kimi import kda as kimi_kda
 from parity.jax_kimi import mla as kimi_mla
 from parity.jax_kimi import moe as kimi_moe
-from parity.jax_kimi.check import capture_sites, layer_verdicts
+from parity.jax_kimi.check import layer_verdicts
 from parity.jax_kimi.layer import decoder_layer, decoder_layer_jit
 from parity.jax_kimi.spec import layer_spec
 from parity.jax_kimi.weights import layer_params

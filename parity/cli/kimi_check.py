@@ -1,13 +1,16 @@
 """The JAX Kimi Linear reference against transformers' built-in on a checkpoint directory, site by site (issue 34).
 
     python tools/kimi_check.py CKPT [--dtype bfloat16|float32] [--T 70] [--seed 0] [--conv-kernel torch|fused]
+        [--dump OUT.h5 [--force] | --from-dump DUMP.h5]
 
 CKPT: a Kimi Linear checkpoint (`tools/make_ckpt.py --family kimi-linear --preset tiny|48b-a3b ...`), loaded by
 transformers' own loader in `--dtype` with eager attention and experts. One prompt of T random token ids (seeded) runs
 through the built-in; every decoder layer of the JAX reference is fed the built-in's layer input and judged at each
 site under Ling3's calibrated layer-mode rules (`parity.jax_kimi.check`), jitted with the reference's XLA options,
 MoE layers routed to the built-in's experts. Prints one line per layer and site (pass, or the verdict's message) and
-how many tokens the JAX router alone routes elsewhere; exits 1 if any site fails, 2 on bad input.
+how many tokens the JAX router alone routes elsewhere; exits 1 if any site fails, 2 on bad input. `--dump` also
+writes the built-in's sites as a Kimi dump (the dump schema of DESIGN §4, `parity.torch_ref.kimi_dump`);
+`--from-dump` judges against such a dump without running the built-in (its fingerprint must be CKPT's).
 """
 
 from __future__ import annotations
@@ -25,33 +28,55 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompt's token ids")
     ap.add_argument("--conv-kernel", default="torch", choices=("torch", "fused"),
                     help="the short conv's rounding point the JAX side mirrors (parity.jax_kimi.spec)")
+    ap.add_argument("--dump", metavar="OUT.h5", default=None,
+                    help="also write the built-in's sites to OUT.h5 (a Kimi dump, parity.torch_ref.kimi_dump)")
+    ap.add_argument("--force", action="store_true", help="with --dump: replace an existing file")
+    ap.add_argument("--from-dump", metavar="DUMP.h5", default=None,
+                    help="judge against a Kimi dump of CKPT instead of running the built-in (its prompt and dtype)")
     a = ap.parse_args(argv)
+    if a.dump and a.from_dump:
+        print("kimi_check: error: --dump and --from-dump exclude each other (a dump is written from a live run)",
+              file=sys.stderr)
+        return 2
 
     import torch
 
-    from parity.errors import CheckpointError
-    from parity.jax_kimi.check import capture_sites, layer_verdicts
+    from parity.errors import CheckpointError, ConfigError, DumpError
+    from parity.jax_kimi.check import layer_verdicts
     from parity.torch_ref.kimi_ckpt import load_kimi_model
+    from parity.torch_ref.kimi_dump import capture_sites, read_kimi_dump, write_kimi_dump
 
     t0 = time.perf_counter()
     try:
-        model = load_kimi_model(a.ckpt, a.dtype)
-    except CheckpointError as e:
+        if a.from_dump:
+            sites, ids = read_kimi_dump(a.from_dump, a.ckpt)
+            dtype = "bfloat16" if str(sites[(0, "input")].dtype) == "bfloat16" else "float32"
+            model = load_kimi_model(a.ckpt, dtype)  # its weights only: the JAX layers' parameters
+            source = f"dump {a.from_dump}"
+        else:
+            dtype = a.dtype
+            model = load_kimi_model(a.ckpt, dtype)
+            ids = torch.randint(3, model.config.vocab_size, (1, a.T), generator=torch.Generator().manual_seed(a.seed))
+            sites = capture_sites(model, ids)
+            source = "built-in run"
+            if a.dump:
+                write_kimi_dump(a.dump, model, a.ckpt, ids, sites, seed=a.seed, force=a.force)
+                source += f", written to {a.dump}"
+    except (CheckpointError, ConfigError, DumpError) as e:
         print(f"kimi_check: error: {e}", file=sys.stderr)
         return 2
     cfg = model.config
-    ids = torch.randint(3, cfg.vocab_size, (1, a.T), generator=torch.Generator().manual_seed(a.seed))
-    sites = capture_sites(model, ids)
-    print(f"{a.ckpt}: {cfg.num_hidden_layers} layers, {a.dtype}, T={a.T}; built-in loaded and run in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    T = int(ids.shape[-1])
+    print(f"{a.ckpt}: {cfg.num_hidden_layers} layers, {dtype}, T={T}; {source} in {time.perf_counter() - t0:.1f} s",
+          flush=True)
     sd = model.state_dict()
     failed = 0
     for i in range(cfg.num_hidden_layers):
         kind = f"{'KDA' if cfg.layer_types[i] == 'linear_attention' else 'MLA'}+{cfg.mlp_layer_types[i]}"
-        verdicts, flips = layer_verdicts(sd, cfg, sites, i, a.dtype, a.conv_kernel, jit=True)
+        verdicts, flips = layer_verdicts(sd, cfg, sites, i, dtype, a.conv_kernel, jit=True)
         if flips is not None:
             print(f"layer {i} {kind} routing: the JAX router on its own input chooses another expert set at {flips} of "
-                  f"{a.T} tokens (the MLP is judged routed to the built-in's experts, as a layer replay is)", flush=True)
+                  f"{T} tokens (the MLP is judged routed to the built-in's experts, as a layer replay is)", flush=True)
         for site, v in verdicts.items():
             failed += not v.passed
             if v.passed:
@@ -60,5 +85,3 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"layer {i} {kind} {site}: FAIL\n    " + v.message().replace("\n", "\n    "), flush=True)
     print(f"{failed} site(s) failed" if failed else "every site passed")
     return 1 if failed else 0
-
-

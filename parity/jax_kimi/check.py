@@ -1,7 +1,8 @@
 """The JAX Kimi Linear layers against transformers' built-in `KimiLinearForCausalLM`, site by site (issue 34).
 
 One forward of the built-in on a prompt records, per decoder layer, its input and output and the outputs of its
-`input_layernorm`, `self_attn`, `post_attention_layernorm` and `mlp` modules (and the MLP's input). Each JAX layer
+`input_layernorm`, `self_attn`, `post_attention_layernorm` and `mlp` modules (and the MLP's input, the router's
+output), named by the canonical sites (`parity.torch_ref.kimi_dump.capture_sites`). Each JAX layer
 (`parity.jax_kimi.layer.decoder_layer`) is then fed the built-in's own layer input (teacher forcing: a divergence is
 the layer's, not carried in from an earlier one) and its points are judged at those sites under Ling3's calibrated
 layer-mode rules for the dtype (`parity.numerics`: the rules a replay applies; they are per site class, which issue 34
@@ -11,8 +12,9 @@ swap an expert and fail the MLP without a bug; the tokens where the JAX router o
 are counted (`routing_flips`), and the router logits are judged as a site. `mlp (teacher-forced)` feeds the JAX MLP
 the built-in's MLP input, so an MLP that only inherits an upstream difference still passes there.
 
-Used by tools/kimi_check.py (a checkpoint directory, e.g. the real-shape `48b-a3b` preset) and tests/test_jax_kimi.py
-(the tiny preset in memory).
+The built-in's sites come from `parity.torch_ref.kimi_dump` (captured live, or read back from a Kimi dump: the same
+HDF5 schema as Ling3's, DESIGN §4). Used by tools/kimi_check.py (a checkpoint directory, e.g. the real-shape
+`48b-a3b` preset) and tests/test_jax_kimi.py (the tiny preset in memory).
 """
 
 from __future__ import annotations
@@ -21,45 +23,6 @@ from typing import Any
 
 import numpy as np
 
-# the built-in's module names (relative to a decoder layer) -> the Ling3 site whose rule judges its output
-SITES = {"input_layernorm": "input_layernorm", "self_attn": "attention",
-         "post_attention_layernorm": "post_attention_layernorm", "mlp": "mlp"}
-
-
-def capture_sites(model: Any, ids: Any) -> dict[tuple[int, str], Any]:
-    """{(layer, name): tensor} of one forward of the built-in: `input` and `output` of every decoder layer, the
-    outputs of its `SITES` modules, `mlp:in` (the MLP's input) and, for a MoE layer, `mlp.gate.logits` and
-    `mlp.gate.topk_idx` (the router's output)."""
-    import torch
-
-    got: dict[tuple[int, str], Any] = {}
-    hooks = []
-
-    def keep(i: int, name: str, t: Any) -> None:  # returns None: a hook's non-None result replaces the output
-        got[(i, name)] = (t[0] if isinstance(t, tuple) else t).detach().clone()
-
-    def keep_layer(i: int, args: tuple, kwargs: dict, out: Any) -> None:
-        keep(i, "input", args[0] if args else kwargs["hidden_states"])
-        keep(i, "output", out)
-
-    for i, layer in enumerate(model.model.layers):
-        hooks.append(layer.register_forward_hook(lambda m, a, kw, o, i=i: keep_layer(i, a, kw, o), with_kwargs=True))
-        for name in SITES:
-            hooks.append(layer.get_submodule(name).register_forward_hook(
-                lambda m, a, o, i=i, name=name: keep(i, name, o)))
-        hooks.append(layer.mlp.register_forward_hook(lambda m, a, o, i=i: keep(i, "mlp:in", a[0])))
-        if hasattr(layer.mlp, "gate"):  # KimiLinearTopkRouter -> (logits, weights, ids)
-            hooks.append(layer.mlp.gate.register_forward_hook(
-                lambda m, a, o, i=i: (keep(i, "mlp.gate.logits", o[0]), keep(i, "mlp.gate.topk_idx", o[2])) and None))
-    try:
-        with torch.no_grad():
-            model(ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    return got
-
-
 def as_f32(t: Any) -> np.ndarray:
     """A torch or JAX tensor as a float32 numpy array (bf16 values are exact in float32)."""
     if hasattr(t, "detach"):
@@ -67,6 +30,11 @@ def as_f32(t: Any) -> np.ndarray:
     import jax.numpy as jnp
 
     return np.asarray(jnp.asarray(t, jnp.float32))
+
+
+# the sites judged, in this order: the canonical site -> the JAX point that holds it
+JUDGED = {"input_layernorm": "input_layernorm", "attention": "self_attn",
+          "post_attention_layernorm": "post_attention_layernorm", "mlp": "mlp"}
 
 
 def routing_flips(ref_idx: Any, test_idx: Any) -> int:
@@ -78,9 +46,9 @@ def routing_flips(ref_idx: Any, test_idx: Any) -> int:
 
 def layer_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], i: int, dtype: str,
                    conv_kernel: str = "torch", jit: bool = False) -> tuple[dict[str, Any], int | None]:
-    """({Ling3 site: Verdict}, routing flips or None for a dense layer) of JAX layer i fed the built-in's layer-i
-    input, routed to the built-in's experts: every `SITES` site, `output`, `mlp (teacher-forced)` and for a MoE
-    layer `mlp.gate.logits`. `state_dict`: the built-in's (module names, as loaded); `dtype`: "float32" or
+    """({site: Verdict}, routing flips or None for a dense layer) of JAX layer i fed the built-in's layer-i input,
+    routed to the built-in's experts: every `JUDGED` site, `output`, `mlp (teacher-forced)` and for a MoE layer
+    `mlp.gate.logits`. `sites`: {(layer, canonical site): torch tensor or numpy array} (`kimi_dump`). `state_dict`: the built-in's (module names, as loaded); `dtype`: "float32" or
     "bfloat16"; `conv_kernel`: the short conv's rounding point (`parity.jax_kimi.spec`); `jit`: the layer jitted with
     the reference's XLA options (`decoder_layer_jit`: every bf16 rounding kept) instead of op by op."""
     import jax.numpy as jnp
@@ -99,10 +67,11 @@ def layer_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any],
     x = jnp.asarray(as_f32(sites[(i, "input")]), jdt)
     forced = None
     if spec.moe:
-        forced = jnp.asarray(sites[(i, "mlp.gate.topk_idx")].numpy().reshape(x.shape[0], x.shape[1], -1), jnp.int32)
+        forced = jnp.asarray(np.asarray(sites[(i, "mlp.gate.topk_idx")]).reshape(x.shape[0], x.shape[1], -1),
+                             jnp.int32)
     out, pts = (decoder_layer_jit() if jit else decoder_layer)(p, x, spec, None, forced)
     mlp_tf, _ = mlp_block(p["mlp"], jnp.asarray(as_f32(sites[(i, "mlp:in")]), jdt), spec, forced)
-    pairs = {SITES[n]: (sites[(i, n)], pts[n]) for n in SITES}
+    pairs = {site: (sites[(i, site)], pts[name]) for site, name in JUDGED.items()}
     pairs["output"] = (sites[(i, "output")], out)
     pairs["mlp (teacher-forced)"] = (sites[(i, "mlp")], mlp_tf)
     flips = None
@@ -111,7 +80,7 @@ def layer_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any],
         pairs["mlp.gate.logits"] = (sites[(i, "mlp.gate.logits")], logits)
         xn = pts["post_attention_layernorm"]
         _, own, _ = route(xn.reshape(-1, xn.shape[-1]), p["mlp"], spec.model)  # the JAX router's own choice
-        flips = routing_flips(sites[(i, "mlp.gate.topk_idx")].numpy(), own)
+        flips = routing_flips(np.asarray(sites[(i, "mlp.gate.topk_idx")]), own)
     verdicts = {site: compare(as_f32(ref), as_f32(test), rules.rule_for(site.split(" ")[0], "layer", dtype),
                               name=f"L{i}/{site}", dtype=dtype) for site, (ref, test) in pairs.items()}
     return verdicts, flips

@@ -154,7 +154,7 @@ def check_batch(input_ids: np.ndarray) -> np.ndarray:
     return input_ids.astype(np.int64)
 
 
-def _versions() -> dict:
+def runtime_versions() -> dict:
     import transformers
 
     try:
@@ -484,7 +484,7 @@ def dump_checkpoint(
 
         B, T = ids.shape
         meta = {
-            **_versions(),
+            **runtime_versions(),
             "runtime": opts.runtime,
             "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
             "config_json": cfg.to_dict(),
