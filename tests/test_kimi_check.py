@@ -49,7 +49,8 @@ def _site_lines(out: str) -> list[str]:
 
 def test_dump_then_judge_from_the_dump(ckpt, tmp_path, capsys, monkeypatch):
     """`--dump` writes the built-in's sites in the dump schema; `--from-dump` judges against it without running the
-    built-in and says the same as the live run, site for site; a planted bug fails from the dump too."""
+    built-in and says the same as the live run, site for site; layer, isolated and free modes pass the correct
+    reference and fail a planted bug at its site."""
     from parity.dumpfile import DumpReader
     from parity.errors import DumpError
 
@@ -65,9 +66,14 @@ def test_dump_then_judge_from_the_dump(ckpt, tmp_path, capsys, monkeypatch):
     from parity.jax_kimi import kda
     from parity.jax_ling3.ops import linear, silu
 
+    for mode in ("layer", "isolated", "free"):  # every mode passes the correct reference ...
+        assert main([str(ckpt), "--from-dump", str(dump), "--mode", mode]) == 0, mode
+    capsys.readouterr()
     monkeypatch.setattr(kda, "low_rank", lambda x, w_a, w_b: linear(silu(linear(x, w_a)), w_b))
-    assert main([str(ckpt), "--from-dump", str(dump)]) == 1
-    assert "layer 0 KDA+dense attention: FAIL" in capsys.readouterr().out
+    for mode in ("layer", "isolated", "free"):  # ... and fails the planted bug at its site
+        assert main([str(ckpt), "--from-dump", str(dump), "--mode", mode]) == 1, mode
+        out = capsys.readouterr().out
+        assert "layer 0 KDA+dense attention: FAIL" in out and "layer 0 KDA+dense input_layernorm: pass" in out, out
 
 
 def test_dump_of_another_checkpoint_is_refused(ckpt, tmp_path, capsys):

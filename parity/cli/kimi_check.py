@@ -1,7 +1,7 @@
 """The JAX Kimi Linear reference against transformers' built-in on a checkpoint directory, site by site (issue 34).
 
     python tools/kimi_check.py CKPT [--dtype bfloat16|float32] [--T 70] [--seed 0] [--conv-kernel torch|fused]
-        [--dump OUT.h5 [--force] | --from-dump DUMP.h5]
+        [--mode layer|isolated|free] [--dump OUT.h5 [--force] | --from-dump DUMP.h5]
 
 CKPT: a Kimi Linear checkpoint (`tools/make_ckpt.py --family kimi-linear --preset tiny|48b-a3b ...`), loaded by
 transformers' own loader in `--dtype` with eager attention and experts. One prompt of T random token ids (seeded) runs
@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompt's token ids")
     ap.add_argument("--conv-kernel", default="torch", choices=("torch", "fused"),
                     help="the short conv's rounding point the JAX side mirrors (parity.jax_kimi.spec)")
+    ap.add_argument("--mode", default="layer", choices=("layer", "isolated", "free"),
+                    help="layer: each layer fed the built-in's layer input (default); isolated: each sub-module fed "
+                         "the built-in's input of it; free: the JAX layers chained from layer 0's input")
     ap.add_argument("--dump", metavar="OUT.h5", default=None,
                     help="also write the built-in's sites to OUT.h5 (a Kimi dump, parity.torch_ref.kimi_dump)")
     ap.add_argument("--force", action="store_true", help="with --dump: replace an existing file")
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from parity.errors import CheckpointError, ConfigError, DumpError
-    from parity.jax_kimi.check import layer_verdicts
+    from parity.jax_kimi.check import free_verdicts, isolated_verdicts, layer_verdicts
     from parity.torch_ref.kimi_ckpt import load_kimi_model
     from parity.torch_ref.kimi_dump import capture_sites, read_kimi_dump, write_kimi_dump
 
@@ -67,16 +70,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = model.config
     T = int(ids.shape[-1])
-    print(f"{a.ckpt}: {cfg.num_hidden_layers} layers, {dtype}, T={T}; {source} in {time.perf_counter() - t0:.1f} s",
-          flush=True)
+    print(f"{a.ckpt}: {cfg.num_hidden_layers} layers, {dtype}, T={T}, {a.mode} mode; {source} in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
     sd = model.state_dict()
+    if a.mode == "free":
+        per_layer = iter(free_verdicts(sd, cfg, sites, dtype, a.conv_kernel, jit=True))
     failed = 0
     for i in range(cfg.num_hidden_layers):
         kind = f"{'KDA' if cfg.layer_types[i] == 'linear_attention' else 'MLA'}+{cfg.mlp_layer_types[i]}"
-        verdicts, flips = layer_verdicts(sd, cfg, sites, i, dtype, a.conv_kernel, jit=True)
+        if a.mode == "layer":
+            verdicts, flips = layer_verdicts(sd, cfg, sites, i, dtype, a.conv_kernel, jit=True)
+        elif a.mode == "isolated":
+            verdicts, flips = isolated_verdicts(sd, cfg, sites, i, dtype, a.conv_kernel), None
+        else:
+            verdicts, flips = next(per_layer)
         if flips is not None:
+            how = ("the MLP is judged routed to the built-in's experts, as a layer replay is" if a.mode == "layer"
+                   else "its own routing flows on")
             print(f"layer {i} {kind} routing: the JAX router on its own input chooses another expert set at {flips} of "
-                  f"{T} tokens (the MLP is judged routed to the built-in's experts, as a layer replay is)", flush=True)
+                  f"{T} tokens ({how})", flush=True)
         for site, v in verdicts.items():
             failed += not v.passed
             if v.passed:

@@ -44,31 +44,54 @@ def routing_flips(ref_idx: Any, test_idx: Any) -> int:
     return int((a != b).any(-1).sum())
 
 
-def layer_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], i: int, dtype: str,
-                   conv_kernel: str = "torch", jit: bool = False) -> tuple[dict[str, Any], int | None]:
-    """({site: Verdict}, routing flips or None for a dense layer) of JAX layer i fed the built-in's layer-i input,
-    routed to the built-in's experts: every `JUDGED` site, `output`, `mlp (teacher-forced)` and for a MoE layer
-    `mlp.gate.logits`. `sites`: {(layer, canonical site): torch tensor or numpy array} (`kimi_dump`). `state_dict`: the built-in's (module names, as loaded); `dtype`: "float32" or
-    "bfloat16"; `conv_kernel`: the short conv's rounding point (`parity.jax_kimi.spec`); `jit`: the layer jitted with
-    the reference's XLA options (`decoder_layer_jit`: every bf16 rounding kept) instead of op by op."""
-    import jax.numpy as jnp
-
-    from parity.jax_kimi.layer import decoder_layer, decoder_layer_jit
-    from parity.jax_kimi.moe import mlp_block, route
-    from parity.jax_kimi.spec import layer_spec
-    from parity.jax_kimi.weights import layer_params
+def _judge(pairs: dict[str, tuple[Any, Any]], i: int, dtype: str, mode: str) -> dict[str, Any]:
+    """{site: Verdict} of (reference, test) pairs under Ling3's calibrated rules for `mode`; a site name's first word
+    picks the rule (`mlp (teacher-forced)` is judged as `mlp`)."""
     from parity.numerics.compare import compare
     from parity.numerics.tolerances import default_rules
 
     rules = default_rules()
+    return {site: compare(as_f32(ref), as_f32(test), rules.rule_for(site.split(" ")[0], mode, dtype),
+                          name=f"L{i}/{site}", dtype=dtype) for site, (ref, test) in pairs.items()}
+
+
+def _forced(sites: dict, i: int, shape: tuple[int, ...]):
+    """The built-in's experts of layer i as [B, T, k] int32 (forced routing), or None for a dense layer."""
+    import jax.numpy as jnp
+
+    if (i, "mlp.gate.topk_idx") not in sites:
+        return None
+    return jnp.asarray(np.asarray(sites[(i, "mlp.gate.topk_idx")]).reshape(shape[0], shape[1], -1), jnp.int32)
+
+
+def _own_routing_flips(p: dict, spec: Any, sites: dict, i: int, x_normed: Any) -> int:
+    """Tokens where the JAX router, on the JAX post-attention norm `x_normed`, picks another set than the built-in."""
+    from parity.jax_kimi.moe import route
+
+    _, own, _ = route(x_normed.reshape(-1, x_normed.shape[-1]), p["mlp"], spec.model)
+    return routing_flips(np.asarray(sites[(i, "mlp.gate.topk_idx")]), own)
+
+
+def layer_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], i: int, dtype: str,
+                   conv_kernel: str = "torch", jit: bool = False) -> tuple[dict[str, Any], int | None]:
+    """Layer mode: ({site: Verdict}, routing flips or None for a dense layer) of JAX layer i fed the built-in's
+    layer-i input, routed to the built-in's experts: every `JUDGED` site, `output`, `mlp (teacher-forced)` and for a
+    MoE layer `mlp.gate.logits`. `sites`: {(layer, canonical site): torch tensor or numpy array} (`kimi_dump`);
+    `state_dict`: the built-in's (module names, as loaded); `dtype`: "float32" or "bfloat16"; `conv_kernel`: the
+    short conv's rounding point (`parity.jax_kimi.spec`); `jit`: the layer jitted with the reference's XLA options
+    (`decoder_layer_jit`: every bf16 rounding kept) instead of op by op."""
+    import jax.numpy as jnp
+
+    from parity.jax_kimi.layer import decoder_layer, decoder_layer_jit
+    from parity.jax_kimi.moe import mlp_block
+    from parity.jax_kimi.spec import layer_spec
+    from parity.jax_kimi.weights import layer_params
+
     spec = layer_spec(cfg, i, dtype, conv_kernel)
     jdt = spec.model.jdtype
     p = layer_params(state_dict, i, spec)
     x = jnp.asarray(as_f32(sites[(i, "input")]), jdt)
-    forced = None
-    if spec.moe:
-        forced = jnp.asarray(np.asarray(sites[(i, "mlp.gate.topk_idx")]).reshape(x.shape[0], x.shape[1], -1),
-                             jnp.int32)
+    forced = _forced(sites, i, x.shape)
     out, pts = (decoder_layer_jit() if jit else decoder_layer)(p, x, spec, None, forced)
     mlp_tf, _ = mlp_block(p["mlp"], jnp.asarray(as_f32(sites[(i, "mlp:in")]), jdt), spec, forced)
     pairs = {site: (sites[(i, site)], pts[name]) for site, name in JUDGED.items()}
@@ -76,11 +99,69 @@ def layer_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any],
     pairs["mlp (teacher-forced)"] = (sites[(i, "mlp")], mlp_tf)
     flips = None
     if spec.moe:
-        logits = pts["mlp.gate.logits"].reshape(-1, spec.model.num_experts)
-        pairs["mlp.gate.logits"] = (sites[(i, "mlp.gate.logits")], logits)
-        xn = pts["post_attention_layernorm"]
-        _, own, _ = route(xn.reshape(-1, xn.shape[-1]), p["mlp"], spec.model)  # the JAX router's own choice
-        flips = routing_flips(np.asarray(sites[(i, "mlp.gate.topk_idx")]), own)
-    verdicts = {site: compare(as_f32(ref), as_f32(test), rules.rule_for(site.split(" ")[0], "layer", dtype),
-                              name=f"L{i}/{site}", dtype=dtype) for site, (ref, test) in pairs.items()}
-    return verdicts, flips
+        pairs["mlp.gate.logits"] = (sites[(i, "mlp.gate.logits")],
+                                    pts["mlp.gate.logits"].reshape(-1, spec.model.num_experts))
+        flips = _own_routing_flips(p, spec, sites, i, pts["post_attention_layernorm"])
+    return _judge(pairs, i, dtype, "layer"), flips
+
+
+def isolated_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], i: int, dtype: str,
+                      conv_kernel: str = "torch") -> dict[str, Any]:
+    """Isolated mode: each sub-module of layer i fed the built-in's own input of it — the input norm its layer input,
+    the attention the built-in's normed input, the post-attention norm the built-in's residual (input + attention,
+    added in the dtype as the layer does), the MLP the built-in's MLP input (routed to the built-in's experts), the
+    output the built-in's residual + the JAX MLP — judged under the rules of isolated replay."""
+    import jax.numpy as jnp
+
+    from parity.jax_kimi import kda, mla
+    from parity.jax_kimi.moe import mlp_block
+    from parity.jax_kimi.spec import layer_spec
+    from parity.jax_kimi.weights import layer_params
+    from parity.jax_ling3.norms import rms_norm
+
+    spec = layer_spec(cfg, i, dtype, conv_kernel)
+    jdt, eps = spec.model.jdtype, spec.model.eps
+    p = layer_params(state_dict, i, spec)
+
+    def ref(site: str):
+        return jnp.asarray(as_f32(sites[(i, site)]), jdt)
+
+    attend = kda.kda_attention if spec.kind == "kda" else mla.mla_attention
+    attn = attend(p["self_attn"], ref("input_layernorm"), spec)[0]
+    mid = (ref("input") + ref("attention")).astype(jdt)
+    y, _ = mlp_block(p["mlp"], ref("mlp:in"), spec, _forced(sites, i, mid.shape))
+    pairs = {"input_layernorm": (sites[(i, "input_layernorm")], rms_norm(ref("input"), p["input_layernorm"], eps)),
+             "attention": (sites[(i, "attention")], attn),
+             "post_attention_layernorm": (sites[(i, "post_attention_layernorm")],
+                                          rms_norm(mid, p["post_attention_layernorm"], eps)),
+             "mlp": (sites[(i, "mlp")], y),
+             "output": (sites[(i, "output")], (mid + y).astype(jdt))}
+    return _judge(pairs, i, dtype, "isolated")
+
+
+def free_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], dtype: str,
+                  conv_kernel: str = "torch", jit: bool = False) -> list[tuple[dict[str, Any], int | None]]:
+    """Free mode: the JAX layers chained from the built-in's layer-0 input, each fed the previous JAX layer's output
+    and routed by its own router (nothing forced), judged at every layer under the rules of free replay; per layer
+    ({site: Verdict}, routing flips or None)."""
+    import jax.numpy as jnp
+
+    from parity.jax_kimi.layer import decoder_layer, decoder_layer_jit
+    from parity.jax_kimi.spec import layer_spec
+    from parity.jax_kimi.weights import layer_params
+
+    out = []
+    x = None
+    for i in range(cfg.num_hidden_layers):
+        spec = layer_spec(cfg, i, dtype, conv_kernel)
+        p = layer_params(state_dict, i, spec)
+        x = jnp.asarray(as_f32(sites[(i, "input")]), spec.model.jdtype) if x is None else x
+        y, pts = (decoder_layer_jit() if jit else decoder_layer)(p, x, spec)
+        pairs = {site: (sites[(i, site)], pts[name]) for site, name in JUDGED.items()}
+        pairs["output"] = (sites[(i, "output")], y)
+        flips = None
+        if spec.moe:
+            flips = routing_flips(np.asarray(sites[(i, "mlp.gate.topk_idx")]), pts["mlp.gate.topk_idx"])
+        out.append((_judge(pairs, i, dtype, "free"), flips))
+        x = y
+    return out
