@@ -333,14 +333,14 @@ def _silu_gated_norm(o, gate, w, eps):
     return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(o.dtype)
 
 
-def _per_channel_decay(a, A_log, dt_bias, lower_bound):
+def _per_channel_decay(a, A_log, dt_bias, lower_bound, softplus=None):
     """A_log expanded to [H·d] in the wrong order (tile, not repeat): the decay rate varies along the channels."""
     H, d = a.shape[-2], a.shape[-1]
     rate = jnp.exp(jnp.tile(A_log.astype(jnp.float32), d)).reshape(H, d)
     return -rate * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(H, d))
 
 
-def _lower_bound_gate(a, A_log, dt_bias, lower_bound):
+def _lower_bound_gate(a, A_log, dt_bias, lower_bound, softplus=None):
     """Ling3's lower-bound gate (lb = -5) instead of Kimi's softplus form."""
     H, d = a.shape[-2], a.shape[-1]
     x = a.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(H, d)
@@ -473,10 +473,12 @@ def test_kda_layers_bf16_attention_and_teacher_forced_mlp_pass(builtin_bf16, i):
 
 def test_fused_conv_kernel_fails_against_the_cpu_builtin(builtin_bf16):
     """The option matters: mirroring a fused conv kernel (fp32 inside, one rounding: what fla's kernels and Ling3's
-    runtimes do) against the CPU built-in (its torch fallback rounds the conv before the SiLU) fails Ling3's rule at
-    the KDA attention of layer 0 (measured p99 51 bf16 ULP, 672 of 4,480 elements over). In fp32 the two agree."""
+    runtimes do) against the CPU built-in (its torch fallback rounds the conv before the SiLU) fails the replay's
+    rule at the KDA block's gated norm of layer 0, its first failing site (the projections before the conv pass);
+    the block's output `attention` passes the looser rule of its site class. In fp32 the two agree."""
     v = _ulp_verdicts(builtin_bf16, 0, conv_kernel="fused")
-    assert not v["attention"].passed, v["attention"].message()
+    first = next(site for site, verdict in v.items() if not verdict.passed)
+    assert first == "attention.o_norm", (first, v[first].message())
 
 
 @pytest.mark.parametrize("name", BF16_MUTANTS)

@@ -44,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from parity.errors import CheckpointError, ConfigError, DumpError
-    from parity.jax_kimi.check import free_verdicts, isolated_verdicts, layer_verdicts
+    from parity.errors import CheckpointError, ConfigError, DumpError, ParityError
     from parity.torch_ref.kimi_ckpt import load_kimi_model
     from parity.torch_ref.kimi_dump import capture_sites, read_kimi_dump, write_kimi_dump
 
@@ -72,20 +71,34 @@ def main(argv: list[str] | None = None) -> int:
     T = int(ids.shape[-1])
     print(f"{a.ckpt}: {cfg.num_hidden_layers} layers, {dtype}, T={T}, {a.mode} mode; {source} in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
+    try:
+        failed = _judge_layers(model, sites, dtype, a.mode, a.conv_kernel, T)
+    except ParityError as e:
+        print(f"kimi_check: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{failed} site(s) failed" if failed else "every site passed")
+    return 1 if failed else 0
+
+
+def _judge_layers(model, sites: dict, dtype: str, mode: str, conv_kernel: str, T: int) -> int:
+    """Print every layer's verdicts in `mode`; the number of failed sites."""
+    from parity.jax_kimi.check import free_verdicts, isolated_verdicts, layer_verdicts
+
+    cfg = model.config
     sd = model.state_dict()
-    if a.mode == "free":
-        per_layer = iter(free_verdicts(sd, cfg, sites, dtype, a.conv_kernel, jit=True))
+    if mode == "free":
+        per_layer = iter(free_verdicts(sd, cfg, sites, dtype, conv_kernel, jit=True))
     failed = 0
     for i in range(cfg.num_hidden_layers):
         kind = f"{'KDA' if cfg.layer_types[i] == 'linear_attention' else 'MLA'}+{cfg.mlp_layer_types[i]}"
-        if a.mode == "layer":
-            verdicts, flips = layer_verdicts(sd, cfg, sites, i, dtype, a.conv_kernel, jit=True)
-        elif a.mode == "isolated":
-            verdicts, flips = isolated_verdicts(sd, cfg, sites, i, dtype, a.conv_kernel), None
+        if mode == "layer":
+            verdicts, flips = layer_verdicts(sd, cfg, sites, i, dtype, conv_kernel, jit=True)
+        elif mode == "isolated":
+            verdicts, flips = isolated_verdicts(sd, cfg, sites, i, dtype, conv_kernel), None
         else:
             verdicts, flips = next(per_layer)
         if flips is not None:
-            how = ("the MLP is judged routed to the built-in's experts, as a layer replay is" if a.mode == "layer"
+            how = ("the MLP is judged routed to the built-in's experts, as a layer replay is" if mode == "layer"
                    else "its own routing flows on")
             print(f"layer {i} {kind} routing: the JAX router on its own input chooses another expert set at {flips} of "
                   f"{T} tokens ({how})", flush=True)
@@ -95,5 +108,4 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"layer {i} {kind} {site}: pass (bit-exact {v.frac_exact:.1%}, max {v.max_ulp} ULP)", flush=True)
             else:
                 print(f"layer {i} {kind} {site}: FAIL\n    " + v.message().replace("\n", "\n    "), flush=True)
-    print(f"{failed} site(s) failed" if failed else "every site passed")
-    return 1 if failed else 0
+    return failed

@@ -32,9 +32,26 @@ def as_f32(t: Any) -> np.ndarray:
     return np.asarray(jnp.asarray(t, jnp.float32))
 
 
-# the sites judged, in this order: the canonical site -> the JAX point that holds it
-JUDGED = {"input_layernorm": "input_layernorm", "attention": "self_attn",
-          "post_attention_layernorm": "post_attention_layernorm", "mlp": "mlp"}
+def dtype_name(t: Any) -> str:
+    """"bfloat16" or "float32" (or another numpy name) of a torch tensor or an array."""
+    return str(t.dtype).removeprefix("torch.")
+
+
+def judged_pairs(sites: dict[tuple[int, str], Any], i: int, pts: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{site: (the built-in's tensor, the JAX point)} of every judged site of `kimi_family.SITES` captured at layer i,
+    in execution order. A site the JAX reference has no point for is a one-line `ParityError`."""
+    from parity.errors import ParityError
+    from parity.model.kimi_family import SITES
+
+    out = {}
+    for s in SITES:
+        if not s.judged or (i, s.site) not in sites:
+            continue
+        if s.jax_point not in pts:
+            raise ParityError(f"layer {i}: site {s.site!r} (module {s.module!r}) has no JAX point {s.jax_point!r}: "
+                              f"parity.jax_kimi does not compute it (parity.model.kimi_family.SITES)")
+        out[s.site] = (sites[(i, s.site)], pts[s.jax_point])
+    return out
 
 
 def routing_flips(ref_idx: Any, test_idx: Any) -> int:
@@ -45,14 +62,22 @@ def routing_flips(ref_idx: Any, test_idx: Any) -> int:
 
 
 def _judge(pairs: dict[str, tuple[Any, Any]], i: int, dtype: str, mode: str) -> dict[str, Any]:
-    """{site: Verdict} of (reference, test) pairs under Ling3's calibrated rules for `mode`; a site name's first word
-    picks the rule (`mlp (teacher-forced)` is judged as `mlp`)."""
+    """{site: Verdict} of (reference, test) pairs under Ling3's calibrated rules for `mode`, as a replay picks them:
+    by the site, the reference tensor's dtype and the run's (`dtype`) as the compute dtype; a site name's first word
+    picks the rule (`mlp (teacher-forced)` is judged as `mlp`). The test is laid out as the reference where only the
+    layout differs (the built-in's [B,1,T,·] or [N,·] views of a [B,T,·] point)."""
     from parity.numerics.compare import compare
     from parity.numerics.tolerances import default_rules
 
     rules = default_rules()
-    return {site: compare(as_f32(ref), as_f32(test), rules.rule_for(site.split(" ")[0], mode, dtype),
-                          name=f"L{i}/{site}", dtype=dtype) for site, (ref, test) in pairs.items()}
+    out = {}
+    for site, (ref, test) in pairs.items():
+        r, t, tdt = as_f32(ref), as_f32(test), dtype_name(ref)
+        if r.shape != t.shape and r.size == t.size:
+            t = t.reshape(r.shape)
+        out[site] = compare(r, t, rules.rule_for(site.split(" ")[0], mode, tdt, dtype), name=f"L{i}/{site}",
+                            dtype=tdt)
+    return out
 
 
 def _forced(sites: dict, i: int, shape: tuple[int, ...]):
@@ -75,8 +100,8 @@ def _own_routing_flips(p: dict, spec: Any, sites: dict, i: int, x_normed: Any) -
 def layer_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], i: int, dtype: str,
                    conv_kernel: str = "torch", jit: bool = False) -> tuple[dict[str, Any], int | None]:
     """Layer mode: ({site: Verdict}, routing flips or None for a dense layer) of JAX layer i fed the built-in's
-    layer-i input, routed to the built-in's experts: every `JUDGED` site, `output`, `mlp (teacher-forced)` and for a
-    MoE layer `mlp.gate.logits`. `sites`: {(layer, canonical site): torch tensor or numpy array} (`kimi_dump`);
+    layer-i input, routed to the built-in's experts: every judged site of `kimi_family.SITES` the layer has, and
+    `mlp (teacher-forced)`. `sites`: {(layer, canonical site): torch tensor or numpy array} (`kimi_dump`);
     `state_dict`: the built-in's (module names, as loaded); `dtype`: "float32" or "bfloat16"; `conv_kernel`: the
     short conv's rounding point (`parity.jax_kimi.spec`); `jit`: the layer jitted with the reference's XLA options
     (`decoder_layer_jit`: every bf16 rounding kept) instead of op by op."""
@@ -94,14 +119,9 @@ def layer_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any],
     forced = _forced(sites, i, x.shape)
     out, pts = (decoder_layer_jit() if jit else decoder_layer)(p, x, spec, None, forced)
     mlp_tf, _ = mlp_block(p["mlp"], jnp.asarray(as_f32(sites[(i, "mlp:in")]), jdt), spec, forced)
-    pairs = {site: (sites[(i, site)], pts[name]) for site, name in JUDGED.items()}
-    pairs["output"] = (sites[(i, "output")], out)
+    pairs = judged_pairs(sites, i, pts)
     pairs["mlp (teacher-forced)"] = (sites[(i, "mlp")], mlp_tf)
-    flips = None
-    if spec.moe:
-        pairs["mlp.gate.logits"] = (sites[(i, "mlp.gate.logits")],
-                                    pts["mlp.gate.logits"].reshape(-1, spec.model.num_experts))
-        flips = _own_routing_flips(p, spec, sites, i, pts["post_attention_layernorm"])
+    flips = _own_routing_flips(p, spec, sites, i, pts["post_attention_layernorm"]) if spec.moe else None
     return _judge(pairs, i, dtype, "layer"), flips
 
 
@@ -157,8 +177,7 @@ def free_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], 
         p = layer_params(state_dict, i, spec)
         x = jnp.asarray(as_f32(sites[(i, "input")]), spec.model.jdtype) if x is None else x
         y, pts = (decoder_layer_jit() if jit else decoder_layer)(p, x, spec)
-        pairs = {site: (sites[(i, site)], pts[name]) for site, name in JUDGED.items()}
-        pairs["output"] = (sites[(i, "output")], y)
+        pairs = judged_pairs(sites, i, pts)
         flips = None
         if spec.moe:
             flips = routing_flips(np.asarray(sites[(i, "mlp.gate.topk_idx")]), pts["mlp.gate.topk_idx"])

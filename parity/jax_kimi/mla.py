@@ -30,15 +30,19 @@ def mla_attention(p: dict, x: jnp.ndarray, spec: KimiLayerSpec, cache: tuple | N
     dt = x.dtype
     B, T, _ = x.shape
     H, n, r, vd, c = m.mla_heads, m.qk_nope, m.qk_rope, m.v_head_dim, m.kv_lora_rank
+    pts: dict[str, jnp.ndarray] = {}  # the projections' outputs, named by the built-in's module paths
     if m.q_lora_rank is None:
-        q = linear(x, p["q_proj"])
+        q = pts["self_attn.q_proj"] = linear(x, p["q_proj"])
     else:
-        q = linear(rms_norm(linear(x, p["q_a_proj"]), p["q_a_layernorm"], MLA_NORM_EPS), p["q_b_proj"])
+        qa = pts["self_attn.q_a_proj"] = linear(x, p["q_a_proj"])
+        qn = pts["self_attn.q_a_layernorm"] = rms_norm(qa, p["q_a_layernorm"], MLA_NORM_EPS)
+        q = pts["self_attn.q_b_proj"] = linear(qn, p["q_b_proj"])
     q = q.reshape(B, T, H, n + r)
-    kv_a = linear(x, p["kv_a_proj_with_mqa"])
-    c_kv = rms_norm(kv_a[..., :c], p["kv_a_layernorm"], MLA_NORM_EPS)
+    kv_a = pts["self_attn.kv_a_proj_with_mqa"] = linear(x, p["kv_a_proj_with_mqa"])
+    c_kv = pts["self_attn.kv_a_layernorm"] = rms_norm(kv_a[..., :c], p["kv_a_layernorm"], MLA_NORM_EPS)
     k_rot = kv_a[..., c:]  # [B,T,r]: shared by all heads, not rotated (NoPE)
-    kv = linear(c_kv, p["kv_b_proj"]).reshape(B, T, H, n + vd)
+    kv = pts["self_attn.kv_b_proj"] = linear(c_kv, p["kv_b_proj"])
+    kv = kv.reshape(B, T, H, n + vd)
     k_nope, v = kv[..., :n], kv[..., n:]
     S = 0
     if cache is not None:
@@ -47,5 +51,6 @@ def mla_attention(p: dict, x: jnp.ndarray, spec: KimiLayerSpec, cache: tuple | N
     allowed = jnp.arange(S + T)[None, :] <= S + jnp.arange(T)[:, None]  # [T, S+T]: the past and the causal new
     core = causal_attention(q[..., :n], q[..., n:], k_nope, v, k_rot, allowed, m.attn_scale, dt)
     core = core.reshape(B, T, H * vd)
-    out = linear(core, p["o_proj"])
-    return out, {"self_attn.core": core}, (k_nope, k_rot, v)
+    out = pts["self_attn.o_proj"] = linear(core, p["o_proj"])
+    pts["self_attn.core"] = core
+    return out, pts, (k_nope, k_rot, v)

@@ -33,15 +33,17 @@ HEADS_PER_STEP: int | None = 4
 
 
 # ------------------------------------------------------------------------------------------------ gate, conv
-def kda_gate(a: jnp.ndarray, A_log: jnp.ndarray, dt_bias: jnp.ndarray, lower_bound: float | None) -> jnp.ndarray:
+def kda_gate(a: jnp.ndarray, A_log: jnp.ndarray, dt_bias: jnp.ndarray, lower_bound: float | None,
+             softplus=jax.nn.softplus) -> jnp.ndarray:
     """Log-space decay g [B,T,H,d] in fp32 from the raw f_proj output a [B,T,H,d] (facts §3.5):
     lower-bound form  g = lb·σ(exp(A_log_h)·(a + dt_bias))  (Ling3), or, with lb None, the softplus form
-    g = −exp(A_log_h)·softplus(a + dt_bias)."""
+    g = −exp(A_log_h)·softplus(a + dt_bias), `softplus` the formula the mirrored model uses (default: the stable
+    one; Kimi Linear's built-in computes its own, `parity.jax_kimi.kda.builtin_softplus`)."""
     H, d = a.shape[-2], a.shape[-1]
     x = a.astype(F32) + dt_bias.astype(F32).reshape(H, d)
     rate = jnp.exp(A_log.astype(F32)).reshape(H, 1)
     if lower_bound is None:
-        return -rate * jax.nn.softplus(x)
+        return -rate * softplus(x)
     return lower_bound * jax.nn.sigmoid(rate * x)
 
 

@@ -1,9 +1,9 @@
 """The built-in Kimi Linear's per-layer sites: captured by hooks, written to and read back from a dump (issue 34).
 
-One forward of transformers' `KimiLinearForCausalLM` on a prompt gives, per decoder layer, the sites (canonical
-names, DESIGN §3, as Ling3's): `input`, `input_layernorm`, `attention` (the `self_attn` module's output),
-`post_attention_layernorm`, `mlp:in`, `mlp`, `output` and, for a MoE layer, `mlp.gate.logits` and
-`mlp.gate.topk_idx` (the router's output, ids in ascending order per token: only the set carries meaning, DESIGN §4).
+One forward of transformers' `KimiLinearForCausalLM` on a prompt gives, per decoder layer, the sites that
+`parity.model.kimi_family.SITES` names (canonical names, DESIGN §3, Ling3's where the quantity is the same: the
+layer's input, the norms, the attention's projections, gate and output, the router's logits and top-k ids in
+ascending order per token — only the set carries meaning, DESIGN §4 — the experts' sum, the MLP, the output).
 
 A Kimi dump is a file of the dump schema (`parity.dumpfile`, DESIGN §4) holding those sites as prefill points, with
 `family: kimi_linear` among its root attributes and the built-in's config as `config_json`. `pytest parity` replays
@@ -18,38 +18,33 @@ from typing import Any
 
 import numpy as np
 
-FAMILY = "kimi_linear"
-# the built-in's module names (relative to a decoder layer) -> the canonical site of its output
-MODULE_SITES = {"input_layernorm": "input_layernorm", "self_attn": "attention",
-                "post_attention_layernorm": "post_attention_layernorm", "mlp": "mlp"}
-
 
 def capture_sites(model: Any, ids: Any) -> dict[tuple[int, str], Any]:
-    """{(layer, site): torch tensor} of one forward of the built-in (module doc)."""
+    """{(layer, site): torch tensor} of one forward of the built-in: every site of `parity.model.kimi_family.SITES`
+    whose module the layer has (module doc)."""
     import torch
+
+    from parity.model.kimi_family import SITES
 
     got: dict[tuple[int, str], Any] = {}
     hooks = []
 
-    def keep(i: int, site: str, t: Any) -> None:  # returns None: a hook's non-None result replaces the output
-        got[(i, site)] = (t[0] if isinstance(t, tuple) else t).detach().clone()
-
-    def keep_layer(i: int, args: tuple, kwargs: dict, out: Any) -> None:
-        keep(i, "input", args[0] if args else kwargs["hidden_states"])
-        keep(i, "output", out)
-
-    def keep_router(i: int, out: tuple) -> None:  # KimiLinearTopkRouter -> (logits, weights, ids)
-        keep(i, "mlp.gate.logits", out[0])
-        keep(i, "mlp.gate.topk_idx", torch.sort(out[2], dim=-1).values)
+    def keep(i: int, site, args: tuple, kwargs: dict, out: Any) -> None:  # None: the module's output is unchanged
+        if site.io == "input":
+            t = args[0] if args else kwargs["hidden_states"]
+        else:
+            t = out[site.index] if site.index is not None else (out[0] if isinstance(out, tuple) else out)
+        t = t.detach()
+        got[(i, site.site)] = torch.sort(t, dim=-1).values if site.sort else t.clone()
 
     for i, layer in enumerate(model.model.layers):
-        hooks.append(layer.register_forward_hook(lambda m, a, kw, o, i=i: keep_layer(i, a, kw, o), with_kwargs=True))
-        for name, site in MODULE_SITES.items():
-            hooks.append(layer.get_submodule(name).register_forward_hook(
-                lambda m, a, o, i=i, site=site: keep(i, site, o)))
-        hooks.append(layer.mlp.register_forward_hook(lambda m, a, o, i=i: keep(i, "mlp:in", a[0])))
-        if hasattr(layer.mlp, "gate"):
-            hooks.append(layer.mlp.gate.register_forward_hook(lambda m, a, o, i=i: keep_router(i, o)))
+        for site in SITES:
+            try:
+                module = layer.get_submodule(site.module) if site.module else layer
+            except AttributeError:  # this layer kind has no such module
+                continue
+            hooks.append(module.register_forward_hook(
+                lambda m, a, kw, o, i=i, site=site: keep(i, site, a, kw, o), with_kwargs=True))
     try:
         with torch.no_grad():
             model(ids)
@@ -77,6 +72,7 @@ def write_kimi_dump(path: str | Path, model: Any, ckpt_dir: str | Path, ids: Any
     """Write `sites` (`capture_sites` of `model` on `ids` [1, T]) as a Kimi dump at `path` (module doc); an existing
     file is refused unless `force`. Returns the path."""
     from parity.dumpfile import DumpWriter, fingerprint_checkpoint
+    from parity.model.kimi_family import FAMILY
     from parity.model.points import Point
     from parity.torch_ref.dump import runtime_versions
 
@@ -104,6 +100,7 @@ def read_kimi_dump(path: str | Path, ckpt_dir: str | Path) -> tuple[dict[tuple[i
     (its checkpoint fingerprint); anything else is a one-line `DumpError`."""
     from parity.dumpfile import DumpReader, fingerprint_checkpoint
     from parity.errors import DumpError
+    from parity.model.kimi_family import FAMILY
 
     with DumpReader(path, expect_fingerprint=fingerprint_checkpoint(ckpt_dir)) as d:
         if d.meta.get("family") != FAMILY:

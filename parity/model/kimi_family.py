@@ -1,0 +1,73 @@
+"""Kimi Linear's sites in one place (issue 34 §1): canonical site name <- the built-in's module <- the JAX point.
+
+transformers' built-in `KimiLinearForCausalLM` is read by forward hooks on its modules (`parity.torch_ref.kimi_dump`),
+its dumps hold the sites under these canonical names, and the JAX reference (`parity.jax_kimi`, which names its points
+by the built-in's module paths) is judged at them (`parity.jax_kimi.check`). All three read `SITES`: a site added
+here is captured, dumped and judged, one taken out is none of these (tests/test_kimi_check.py). The canonical names
+are Ling3's where the quantity is the same (DESIGN §3: `attention.gate` is the log-space decay, `attention.o_norm`
+the gated norm's output, `mlp.routed` the weighted expert sum), so Ling3's calibrated rules for that site class judge
+them. A site whose module a layer lacks (MLA's `kv_b_proj` in a KDA layer, a dense layer's router) is skipped there.
+
+Ling3's own description is still `parity.model.points` (its site graph) and the per-runtime module maps in
+`parity/torch_ref/`; the dumper and the replay do not read this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FAMILY = "kimi_linear"
+
+
+@dataclass(frozen=True)
+class KimiSite:
+    """site: canonical name. module: the built-in's module path relative to a decoder layer ("" = the layer itself).
+    io: which side of the module ("output", or "input" = its first argument). index: the element of a tuple output.
+    sort: ids sorted ascending per token (a top-k *set*, DESIGN §4). point: the JAX reference's point name (default:
+    the module path, or `site` for the layer itself); judged: compared against the JAX point (else only recorded, as
+    the inputs a replay feeds)."""
+
+    site: str
+    module: str
+    io: str = "output"
+    index: int | None = None
+    sort: bool = False
+    point: str | None = None
+    judged: bool = True
+
+    @property
+    def jax_point(self) -> str:
+        return self.point or self.module or self.site
+
+
+def _attn(site: str, module: str) -> KimiSite:
+    return KimiSite(f"attention.{site}", f"self_attn.{module}")
+
+
+# execution order within a layer (DESIGN §3)
+SITES: tuple[KimiSite, ...] = (
+    KimiSite("input", "", io="input", judged=False),
+    KimiSite("input_layernorm", "input_layernorm"),
+    # KDA (KimiLinearDeltaAttention)
+    _attn("q_proj", "q_proj"), _attn("k_proj", "k_proj"), _attn("v_proj", "v_proj"),
+    _attn("gate", "forget_gate"),  # log-space decay g [B,T,H,d] fp32 (KimiLinearForgetGate)
+    _attn("b_proj", "b_proj"),  # before its sigmoid (beta is computed inline, no module)
+    _attn("g_proj", "g_b_proj"),  # the output gate, g_b_proj(g_a_proj(x)), before its reshape
+    _attn("o_norm", "o_norm"),  # KimiLinearRMSNormGated: normalised and gated
+    # MLA (KimiLinearAttention)
+    _attn("q_a_proj", "q_a_proj"), _attn("q_a_layernorm", "q_a_layernorm"), _attn("q_b_proj", "q_b_proj"),
+    _attn("kv_a_proj_with_mqa", "kv_a_proj_with_mqa"), _attn("kv_a_layernorm", "kv_a_layernorm"),
+    _attn("kv_b_proj", "kv_b_proj"),
+    # both kinds
+    _attn("o_proj", "o_proj"),
+    KimiSite("attention", "self_attn"),
+    KimiSite("post_attention_layernorm", "post_attention_layernorm"),
+    KimiSite("mlp:in", "mlp", io="input", judged=False),
+    # MoE (KimiLinearMoE): the router's (logits, weights, ids), the experts' weighted sum, the shared experts
+    KimiSite("mlp.gate.logits", "mlp.gate", index=0, point="mlp.gate.logits"),
+    KimiSite("mlp.gate.topk_idx", "mlp.gate", index=2, sort=True, judged=False),  # routing: forced and counted
+    KimiSite("mlp.routed", "mlp.experts", point="mlp.routed"),
+    KimiSite("mlp.shared_experts", "mlp.shared_experts"),
+    KimiSite("mlp", "mlp"),
+    KimiSite("output", ""),
+)
