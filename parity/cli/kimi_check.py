@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _judge_layers(model, sites: dict, dtype: str, mode: str, conv_kernel: str, T: int) -> int:
-    """Print every layer's verdicts in `mode`; the number of failed sites."""
+    """Print every layer's verdicts in `mode` (pass, variant or FAIL: `parity.jax_kimi.check.SiteResult`); the
+    number of failed sites."""
     from parity.jax_kimi.check import free_verdicts, isolated_verdicts, layer_verdicts
 
     cfg = model.config
@@ -102,10 +103,16 @@ def _judge_layers(model, sites: dict, dtype: str, mode: str, conv_kernel: str, T
                    else "its own routing flows on")
             print(f"layer {i} {kind} routing: the JAX router on its own input chooses another expert set at {flips} of "
                   f"{T} tokens ({how})", flush=True)
-        for site, v in verdicts.items():
-            failed += not v.passed
-            if v.passed:
+        for site, res in verdicts.items():
+            v = res.verdict
+            failed += res.status == "fail"
+            if res.status == "pass":
                 print(f"layer {i} {kind} {site}: pass (bit-exact {v.frac_exact:.1%}, max {v.max_ulp} ULP)", flush=True)
+            elif res.status == "variant":
+                e = res.precision
+                print(f"layer {i} {kind} {site}: variant, more precise than the reference (error vs the fp32 shadow "
+                      f"{e['ratio']:.4f}x the built-in's, allowed {e['allowed_ratio']}; bit-exact {v.frac_exact:.1%})",
+                      flush=True)
             else:
-                print(f"layer {i} {kind} {site}: FAIL\n    " + v.message().replace("\n", "\n    "), flush=True)
+                print(f"layer {i} {kind} {site}: FAIL\n    " + res.message().replace("\n", "\n    "), flush=True)
     return failed

@@ -12,6 +12,13 @@ swap an expert and fail the MLP without a bug; the tokens where the JAX router o
 are counted (`routing_flips`), and the router logits are judged as a site. `mlp (teacher-forced)` feeds the JAX MLP
 the built-in's MLP input, so an MLP that only inherits an upstream difference still passes there.
 
+A bf16 site that fails its rule is then asked, as a replay asks (`parity.replay.shadows.precision_entry`, the rule's
+`precision_ratio` and `precision_dump_peak`), whether the JAX side is the more precise one: the same computation in
+fp32 on the same inputs (bf16 weights, exact in fp32) is the shadow; where the JAX error against it is within the
+rule's ratio of the built-in's, and the built-in's own error looks like rounding, the site is a `variant` ("more
+precise than the reference": e.g. fp32 accumulation where the built-in's oneDNN bf16 GEMM rounds otherwise), not a
+failure.
+
 The built-in's sites come from `parity.torch_ref.kimi_dump` (captured live, or read back from a Kimi dump: the same
 HDF5 schema as Ling3's, DESIGN §4). Used by tools/kimi_check.py (a checkpoint directory, e.g. the real-shape
 `48b-a3b` preset) and tests/test_jax_kimi.py (the tiny preset in memory).
@@ -19,7 +26,8 @@ HDF5 schema as Ling3's, DESIGN §4). Used by tools/kimi_check.py (a checkpoint d
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
@@ -35,6 +43,13 @@ def as_f32(t: Any) -> np.ndarray:
 def dtype_name(t: Any) -> str:
     """"bfloat16" or "float32" (or another numpy name) of a torch tensor or an array."""
     return str(t.dtype).removeprefix("torch.")
+
+
+def _jax_points(sites: dict[tuple[int, str], Any], i: int) -> dict[str, str]:
+    """{site: JAX point} of every judged site of `kimi_family.SITES` captured at layer i."""
+    from parity.model.kimi_family import SITES
+
+    return {s.site: s.jax_point for s in SITES if s.judged and (i, s.site) in sites}
 
 
 def judged_pairs(sites: dict[tuple[int, str], Any], i: int, pts: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -61,7 +76,38 @@ def routing_flips(ref_idx: Any, test_idx: Any) -> int:
     return int((a != b).any(-1).sum())
 
 
-def _judge(pairs: dict[str, tuple[Any, Any]], i: int, dtype: str, mode: str) -> dict[str, Any]:
+@dataclass
+class SiteResult:
+    """One site's verdict and, where a bf16 site failed its rule, the three-way precision entry (`precision_entry`:
+    JAX and built-in errors against the fp32 shadow). `status`: pass, variant (more precise than the reference) or
+    fail; `passed` is true for the first two."""
+
+    verdict: Any
+    precision: dict | None = None
+
+    @property
+    def status(self) -> str:
+        if self.verdict.passed:
+            return "pass"
+        return "variant" if self.precision and self.precision["more_precise"] else "fail"
+
+    @property
+    def passed(self) -> bool:
+        return self.status != "fail"
+
+    def message(self) -> str:
+        msg = self.verdict.message()
+        if self.precision is not None:
+            e = self.precision
+            msg += (f"\nAgainst the fp32 shadow: JAX error {e['error']:.3g}, the built-in's {e['dump_error']:.3g} "
+                    f"(ratio {e['ratio']:.3g}, allowed {e['allowed_ratio']}), the built-in's peak "
+                    f"{e['dump_peak']:.3g}× row RMS (allowed {e['allowed_dump_peak']}): "
+                    + ("more precise than the reference" if e["more_precise"] else "not explained by precision"))
+        return msg
+
+
+def _judge(pairs: dict[str, tuple[Any, Any]], i: int, dtype: str, mode: str,
+           shadow: Callable[[], dict[str, Any]] | None = None) -> dict[str, SiteResult]:
     """{site: Verdict} of (reference, test) pairs under Ling3's calibrated rules for `mode`, as a replay picks them:
     by the site, the reference tensor's dtype and the run's (`dtype`) as the compute dtype; a site name's first word
     picks the rule (`mlp (teacher-forced)` is judged as `mlp`). The test is laid out as the reference where only the
@@ -69,14 +115,22 @@ def _judge(pairs: dict[str, tuple[Any, Any]], i: int, dtype: str, mode: str) -> 
     from parity.numerics.compare import compare
     from parity.numerics.tolerances import default_rules
 
+    from parity.replay.shadows import precision_entry
+
     rules = default_rules()
-    out = {}
+    out, shadows = {}, None
     for site, (ref, test) in pairs.items():
         r, t, tdt = as_f32(ref), as_f32(test), dtype_name(ref)
         if r.shape != t.shape and r.size == t.size:
             t = t.reshape(r.shape)
-        out[site] = compare(r, t, rules.rule_for(site.split(" ")[0], mode, tdt, dtype), name=f"L{i}/{site}",
-                            dtype=tdt)
+        rule = rules.rule_for(site.split(" ")[0], mode, tdt, dtype)
+        res = SiteResult(compare(r, t, rule, name=f"L{i}/{site}", dtype=tdt))
+        if not res.verdict.passed and shadow is not None and dtype == "bfloat16" and rule.precision_ratio is not None:
+            shadows = shadow() if shadows is None else shadows  # computed once, for the first failing site
+            if site in shadows:
+                res.precision = precision_entry(r, t, as_f32(shadows[site]).reshape(r.shape), rule.precision_ratio,
+                                                rule.precision_dump_peak)
+        out[site] = res
     return out
 
 
@@ -122,7 +176,15 @@ def layer_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any],
     pairs = judged_pairs(sites, i, pts)
     pairs["mlp (teacher-forced)"] = (sites[(i, "mlp")], mlp_tf)
     flips = _own_routing_flips(p, spec, sites, i, pts["post_attention_layernorm"]) if spec.moe else None
-    return _judge(pairs, i, dtype, "layer"), flips
+
+    def shadow() -> dict[str, Any]:  # the same layer in fp32 on the same (upcast) inputs: its judged points
+        s32 = layer_spec(cfg, i, "float32", conv_kernel)
+        _, pts32 = decoder_layer(p, x.astype(jnp.float32), s32, None, forced)
+        tf32, _ = mlp_block(p["mlp"], jnp.asarray(as_f32(sites[(i, "mlp:in")])), s32, forced)
+        got = {site: pts32[t] for site, t in _jax_points(sites, i).items() if t in pts32}
+        return got | {"mlp (teacher-forced)": tf32}
+
+    return _judge(pairs, i, dtype, "layer", shadow), flips
 
 
 def isolated_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], i: int, dtype: str,
@@ -130,7 +192,8 @@ def isolated_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], An
     """Isolated mode: each sub-module of layer i fed the built-in's own input of it — the input norm its layer input,
     the attention the built-in's normed input, the post-attention norm the built-in's residual (input + attention,
     added in the dtype as the layer does), the MLP the built-in's MLP input (routed to the built-in's experts), the
-    output the built-in's residual + the JAX MLP — judged under the rules of isolated replay."""
+    output the built-in's residual and MLP output — judged under the rules of isolated replay, a failing bf16 site
+    asked whether it is the more precise one (module doc)."""
     import jax.numpy as jnp
 
     from parity.jax_kimi import kda, mla
@@ -139,24 +202,24 @@ def isolated_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], An
     from parity.jax_kimi.weights import layer_params
     from parity.jax_ling3.norms import rms_norm
 
-    spec = layer_spec(cfg, i, dtype, conv_kernel)
-    jdt, eps = spec.model.jdtype, spec.model.eps
-    p = layer_params(state_dict, i, spec)
+    def blocks(run_dtype: str) -> dict[str, Any]:  # every block on the built-in's own inputs, in run_dtype
+        spec = layer_spec(cfg, i, run_dtype, conv_kernel)
+        jdt, eps = spec.model.jdtype, spec.model.eps
+        p = layer_params(state_dict, i, spec)
 
-    def ref(site: str):
-        return jnp.asarray(as_f32(sites[(i, site)]), jdt)
+        def ref(site: str):
+            return jnp.asarray(as_f32(sites[(i, site)]), jdt)
 
-    attend = kda.kda_attention if spec.kind == "kda" else mla.mla_attention
-    attn = attend(p["self_attn"], ref("input_layernorm"), spec)[0]
-    mid = (ref("input") + ref("attention")).astype(jdt)
-    y, _ = mlp_block(p["mlp"], ref("mlp:in"), spec, _forced(sites, i, mid.shape))
-    pairs = {"input_layernorm": (sites[(i, "input_layernorm")], rms_norm(ref("input"), p["input_layernorm"], eps)),
-             "attention": (sites[(i, "attention")], attn),
-             "post_attention_layernorm": (sites[(i, "post_attention_layernorm")],
-                                          rms_norm(mid, p["post_attention_layernorm"], eps)),
-             "mlp": (sites[(i, "mlp")], y),
-             "output": (sites[(i, "output")], (mid + y).astype(jdt))}
-    return _judge(pairs, i, dtype, "isolated")
+        attend = kda.kda_attention if spec.kind == "kda" else mla.mla_attention
+        mid = (ref("input") + ref("attention")).astype(jdt)
+        y, _ = mlp_block(p["mlp"], ref("mlp:in"), spec, _forced(sites, i, mid.shape))
+        return {"input_layernorm": rms_norm(ref("input"), p["input_layernorm"], eps),
+                "attention": attend(p["self_attn"], ref("input_layernorm"), spec)[0],
+                "post_attention_layernorm": rms_norm(mid, p["post_attention_layernorm"], eps),
+                "mlp": y, "output": (mid + ref("mlp")).astype(jdt)}
+
+    pairs = {site: (sites[(i, site)], got) for site, got in blocks(dtype).items()}
+    return _judge(pairs, i, dtype, "isolated", lambda: blocks("float32"))
 
 
 def free_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], dtype: str,
