@@ -136,3 +136,42 @@ def test_the_family_description_is_where_sites_are_named(ckpt, tmp_path, capsys,
     assert main([str(ckpt)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "'attention.f_a_proj'" in err and "no JAX point" in err, err
+
+
+class OutputOnlyTarget:
+    """A port that exposes only each layer's output (the reference underneath): judged at `output`, the other sites
+    listed as not provided."""
+
+    @classmethod
+    def available(cls):
+        return True, ""
+
+    def build(self, config, dtype):
+        from parity.targets.kimi import KimiReferenceTarget
+
+        self.ref = KimiReferenceTarget()
+        self.ref.build(config, dtype)
+
+    def layer_forward(self, i, state_dict, hidden, forced_idx):
+        out, _ = self.ref.layer_forward(i, state_dict, hidden, forced_idx)
+        return out, {}
+
+
+def test_targets_are_judged_as_the_reference_is(ckpt, capsys):
+    """`--target`: the reference through the target protocol says what the reference says; the catalogue's planted
+    Kimi target fails first at `attention.gate`; a port that returns only outputs is judged there; a target outside
+    layer mode, or one that is not importable, is one line."""
+    assert main([str(ckpt)]) == 0
+    own = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("layer ") and "(teacher-forced)" not in ln]
+    assert main([str(ckpt), "--target", "parity.targets.kimi:KimiReferenceTarget"]) == 0
+    assert [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("layer ")] == own
+    assert main([str(ckpt), "--target", "parity.targets.kimi:KimiPlantedGateActivation"]) == 1
+    out = capsys.readouterr().out
+    assert next(ln for ln in out.splitlines() if ": FAIL" in ln) == "layer 0 KDA+dense attention.gate: FAIL", out
+    assert main([str(ckpt), "--target", f"{__name__}:OutputOnlyTarget"]) == 0
+    out = capsys.readouterr().out
+    assert "layer 3 MLA+dense output: pass" in out and "layer 3 MLA+dense attention: not provided by the target" in out
+    for bad in (["--target", "parity.targets.kimi:KimiReferenceTarget", "--mode", "free"], ["--target", "nope:X"]):
+        assert main([str(ckpt), *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err

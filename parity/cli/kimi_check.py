@@ -1,7 +1,7 @@
 """The JAX Kimi Linear reference against transformers' built-in on a checkpoint directory, site by site (issue 34).
 
     python tools/kimi_check.py CKPT [--dtype bfloat16|float32] [--T 70] [--seed 0] [--conv-kernel torch|fused]
-        [--mode layer|isolated|free] [--dump OUT.h5 [--force] | --from-dump DUMP.h5]
+        [--mode layer|isolated|free] [--target package.module:Class] [--dump OUT.h5 [--force] | --from-dump DUMP.h5]
 
 CKPT: a Kimi Linear checkpoint (`tools/make_ckpt.py --family kimi-linear --preset tiny|48b-a3b ...`), loaded by
 transformers' own loader in `--dtype` with eager attention and experts. One prompt of T random token ids (seeded) runs
@@ -10,7 +10,8 @@ site under Ling3's calibrated layer-mode rules (`parity.jax_kimi.check`), jitted
 MoE layers routed to the built-in's experts. Prints one line per layer and site (pass, or the verdict's message) and
 how many tokens the JAX router alone routes elsewhere; exits 1 if any site fails, 2 on bad input. `--dump` also
 writes the built-in's sites as a Kimi dump (the dump schema of DESIGN §4, `parity.torch_ref.kimi_dump`);
-`--from-dump` judges against such a dump without running the built-in (its fingerprint must be CKPT's).
+`--from-dump` judges against such a dump without running the built-in (its fingerprint must be CKPT's). `--target`
+judges a port's Kimi target (`parity.targets.kimi`: its protocol) in layer mode instead of the reference.
 """
 
 from __future__ import annotations
@@ -31,12 +32,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="layer", choices=("layer", "isolated", "free"),
                     help="layer: each layer fed the built-in's layer input (default); isolated: each sub-module fed "
                          "the built-in's input of it; free: the JAX layers chained from layer 0's input")
+    ap.add_argument("--target", default=None, metavar="package.module:Class",
+                    help="judge this Kimi target (parity.targets.kimi; layer mode) instead of the suite's reference")
     ap.add_argument("--dump", metavar="OUT.h5", default=None,
                     help="also write the built-in's sites to OUT.h5 (a Kimi dump, parity.torch_ref.kimi_dump)")
     ap.add_argument("--force", action="store_true", help="with --dump: replace an existing file")
     ap.add_argument("--from-dump", metavar="DUMP.h5", default=None,
                     help="judge against a Kimi dump of CKPT instead of running the built-in (its prompt and dtype)")
     a = ap.parse_args(argv)
+    if a.target and a.mode != "layer":
+        print(f"kimi_check: error: --target judges layer mode (a target's layer_forward); --mode {a.mode} runs the "
+              "reference's sub-modules", file=sys.stderr)
+        return 2
     if a.dump and a.from_dump:
         print("kimi_check: error: --dump and --from-dump exclude each other (a dump is written from a live run)",
               file=sys.stderr)
@@ -44,12 +51,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from parity.errors import CheckpointError, ConfigError, DumpError, ParityError
+    from parity.errors import CheckpointError, ConfigError, DumpError, ParityError, TargetError
     from parity.torch_ref.kimi_ckpt import load_kimi_model
     from parity.torch_ref.kimi_dump import capture_sites, read_kimi_dump, write_kimi_dump
 
     t0 = time.perf_counter()
+    target = None
     try:
+        if a.target:
+            from parity.targets import resolve
+
+            target = resolve(a.target)()
         if a.from_dump:
             sites, ids = read_kimi_dump(a.from_dump, a.ckpt)
             dtype = "bfloat16" if str(sites[(0, "input")].dtype) == "bfloat16" else "float32"
@@ -64,15 +76,18 @@ def main(argv: list[str] | None = None) -> int:
             if a.dump:
                 write_kimi_dump(a.dump, model, a.ckpt, ids, sites, seed=a.seed, force=a.force)
                 source += f", written to {a.dump}"
-    except (CheckpointError, ConfigError, DumpError) as e:
+    except (CheckpointError, ConfigError, DumpError, TargetError) as e:
         print(f"kimi_check: error: {e}", file=sys.stderr)
         return 2
+    if target is not None:
+        target.build(model.config, dtype)
     cfg = model.config
     T = int(ids.shape[-1])
-    print(f"{a.ckpt}: {cfg.num_hidden_layers} layers, {dtype}, T={T}, {a.mode} mode; {source} in "
+    who = f"target {a.target}" if target is not None else "the reference"
+    print(f"{a.ckpt}: {cfg.num_hidden_layers} layers, {dtype}, T={T}, {a.mode} mode, {who}; {source} in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     try:
-        failed = _judge_layers(model, sites, dtype, a.mode, a.conv_kernel, T)
+        failed = _judge_layers(model, sites, dtype, a.mode, a.conv_kernel, T, target)
     except ParityError as e:
         print(f"kimi_check: error: {e}", file=sys.stderr)
         return 2
@@ -80,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _judge_layers(model, sites: dict, dtype: str, mode: str, conv_kernel: str, T: int) -> int:
+def _judge_layers(model, sites: dict, dtype: str, mode: str, conv_kernel: str, T: int, target=None) -> int:
     """Print every layer's verdicts in `mode` (pass, variant or FAIL: `parity.jax_kimi.check.SiteResult`); the
     number of failed sites."""
     from parity.jax_kimi.check import free_verdicts, isolated_verdicts, layer_verdicts
@@ -93,7 +108,7 @@ def _judge_layers(model, sites: dict, dtype: str, mode: str, conv_kernel: str, T
     for i in range(cfg.num_hidden_layers):
         kind = f"{'KDA' if cfg.layer_types[i] == 'linear_attention' else 'MLA'}+{cfg.mlp_layer_types[i]}"
         if mode == "layer":
-            verdicts, flips = layer_verdicts(sd, cfg, sites, i, dtype, conv_kernel, jit=True)
+            verdicts, flips = layer_verdicts(sd, cfg, sites, i, dtype, conv_kernel, jit=True, target=target)
         elif mode == "isolated":
             verdicts, flips = isolated_verdicts(sd, cfg, sites, i, dtype, conv_kernel), None
         else:
@@ -106,7 +121,9 @@ def _judge_layers(model, sites: dict, dtype: str, mode: str, conv_kernel: str, T
         for site, res in verdicts.items():
             v = res.verdict
             failed += res.status == "fail"
-            if res.status == "pass":
+            if res.status == "not provided":
+                print(f"layer {i} {kind} {site}: not provided by the target", flush=True)
+            elif res.status == "pass":
                 print(f"layer {i} {kind} {site}: pass (bit-exact {v.frac_exact:.1%}, max {v.max_ulp} ULP)", flush=True)
             elif res.status == "variant":
                 e = res.precision

@@ -79,14 +79,16 @@ def routing_flips(ref_idx: Any, test_idx: Any) -> int:
 @dataclass
 class SiteResult:
     """One site's verdict and, where a bf16 site failed its rule, the three-way precision entry (`precision_entry`:
-    JAX and built-in errors against the fp32 shadow). `status`: pass, variant (more precise than the reference) or
-    fail; `passed` is true for the first two."""
+    JAX and built-in errors against the fp32 shadow). `status`: pass, variant (more precise than the reference),
+    fail, or not provided (a target that does not return the site); `passed` is false only for fail."""
 
-    verdict: Any
+    verdict: Any  # None: the judged implementation does not provide the site
     precision: dict | None = None
 
     @property
     def status(self) -> str:
+        if self.verdict is None:
+            return "not provided"
         if self.verdict.passed:
             return "pass"
         return "variant" if self.precision and self.precision["more_precise"] else "fail"
@@ -96,6 +98,8 @@ class SiteResult:
         return self.status != "fail"
 
     def message(self) -> str:
+        if self.verdict is None:
+            return "not provided by the target"
         msg = self.verdict.message()
         if self.precision is not None:
             e = self.precision
@@ -152,13 +156,17 @@ def _own_routing_flips(p: dict, spec: Any, sites: dict, i: int, x_normed: Any) -
 
 
 def layer_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], i: int, dtype: str,
-                   conv_kernel: str = "torch", jit: bool = False) -> tuple[dict[str, Any], int | None]:
-    """Layer mode: ({site: Verdict}, routing flips or None for a dense layer) of JAX layer i fed the built-in's
-    layer-i input, routed to the built-in's experts: every judged site of `kimi_family.SITES` the layer has, and
-    `mlp (teacher-forced)`. `sites`: {(layer, canonical site): torch tensor or numpy array} (`kimi_dump`);
-    `state_dict`: the built-in's (module names, as loaded); `dtype`: "float32" or "bfloat16"; `conv_kernel`: the
-    short conv's rounding point (`parity.jax_kimi.spec`); `jit`: the layer jitted with the reference's XLA options
-    (`decoder_layer_jit`: every bf16 rounding kept) instead of op by op."""
+                   conv_kernel: str = "torch", jit: bool = False, target: Any = None
+                   ) -> tuple[dict[str, SiteResult], int | None]:
+    """Layer mode: ({site: SiteResult}, routing flips or None for a dense layer) of layer i fed the built-in's
+    layer-i input, routed to the built-in's experts, at every judged site of `kimi_family.SITES` the layer has.
+    `sites`: {(layer, canonical site): torch tensor or numpy array} (`kimi_dump`); `state_dict`: the built-in's
+    (module names, as loaded); `dtype`: "float32" or "bfloat16"; `conv_kernel`: the short conv's rounding point
+    (`parity.jax_kimi.spec`); `jit`: the reference layer jitted with the reference's XLA options
+    (`decoder_layer_jit`: every bf16 rounding kept) instead of op by op. `target`: a Kimi target
+    (`parity.targets.kimi`) judged instead of the reference — a site it does not return is `not provided`; without
+    one the reference is, with `mlp (teacher-forced)` too. The routing flips and the fp32 shadow are the
+    reference's in both cases (the shadow is the formula in fp32, whoever is judged)."""
     import jax.numpy as jnp
 
     from parity.jax_kimi.layer import decoder_layer, decoder_layer_jit
@@ -171,20 +179,32 @@ def layer_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any],
     p = layer_params(state_dict, i, spec)
     x = jnp.asarray(as_f32(sites[(i, "input")]), jdt)
     forced = _forced(sites, i, x.shape)
-    out, pts = (decoder_layer_jit() if jit else decoder_layer)(p, x, spec, None, forced)
-    mlp_tf, _ = mlp_block(p["mlp"], jnp.asarray(as_f32(sites[(i, "mlp:in")]), jdt), spec, forced)
-    pairs = judged_pairs(sites, i, pts)
-    pairs["mlp (teacher-forced)"] = (sites[(i, "mlp")], mlp_tf)
-    flips = _own_routing_flips(p, spec, sites, i, pts["post_attention_layernorm"]) if spec.moe else None
+    if target is None:
+        out, pts = (decoder_layer_jit() if jit else decoder_layer)(p, x, spec, None, forced)
+        mlp_tf, _ = mlp_block(p["mlp"], jnp.asarray(as_f32(sites[(i, "mlp:in")]), jdt), spec, forced)
+        pairs = judged_pairs(sites, i, pts)
+        pairs["mlp (teacher-forced)"] = (sites[(i, "mlp")], mlp_tf)
+        normed = pts["post_attention_layernorm"]
+    else:
+        out, pts = target.layer_forward(i, state_dict, np.asarray(x), None if forced is None else np.asarray(forced))
+        pts = {"output": out, **pts}
+        pairs = {s: (sites[(i, s)], pts[s]) for s in _jax_points(sites, i) if s in pts}
+        normed = pts.get("post_attention_layernorm")
+    flips = None
+    if spec.moe and normed is not None:
+        flips = _own_routing_flips(p, spec, sites, i, jnp.asarray(normed, jdt))
 
-    def shadow() -> dict[str, Any]:  # the same layer in fp32 on the same (upcast) inputs: its judged points
+    def shadow() -> dict[str, Any]:  # the reference layer in fp32 on the same (upcast) inputs: its judged points
         s32 = layer_spec(cfg, i, "float32", conv_kernel)
         _, pts32 = decoder_layer(p, x.astype(jnp.float32), s32, None, forced)
         tf32, _ = mlp_block(p["mlp"], jnp.asarray(as_f32(sites[(i, "mlp:in")])), s32, forced)
         got = {site: pts32[t] for site, t in _jax_points(sites, i).items() if t in pts32}
         return got | {"mlp (teacher-forced)": tf32}
 
-    return _judge(pairs, i, dtype, "layer", shadow), flips
+    results = _judge(pairs, i, dtype, "layer", shadow)
+    if target is not None:
+        results = {s: results.get(s, SiteResult(None)) for s in _jax_points(sites, i)}
+    return results, flips
 
 
 def isolated_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], i: int, dtype: str,
