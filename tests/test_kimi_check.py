@@ -175,3 +175,26 @@ def test_targets_are_judged_as_the_reference_is(ckpt, capsys):
         assert main([str(ckpt), *bad]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1, err
+
+
+def test_grads_pass_and_a_backward_only_bug_fails_there(ckpt, capsys, monkeypatch):
+    """`--grads`: every layer's input and parameter gradients of the reference's VJP (the routed experts' own VJP
+    included) pass the gradient rules against the built-in's autograd. A backward-only porting bug — the decay gate
+    detached from the graph (forward bit-identical) — passes every forward site and fails at the gate's parameter
+    gradients; `--grads` outside a live layer-mode run of the reference is one line."""
+    import jax
+
+    from parity.jax_kimi import kda
+
+    assert main([str(ckpt), "--grads"]) == 0
+    out = capsys.readouterr().out
+    assert "layer 1 MLA+sparse backward/grad.mlp.experts.gate: pass" in out and "backward/input: pass" in out, out
+    orig = kda.forget_gate
+    monkeypatch.setattr(kda, "forget_gate", lambda p, x, spec: jax.lax.stop_gradient(orig(p, x, spec)))
+    assert main([str(ckpt), "--grads"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    failed = {ln.split(": FAIL")[0].split(" ", 3)[3] for ln in lines if ": FAIL" in ln}
+    assert {"backward/grad.self_attn.f_a_proj", "backward/grad.self_attn.A_log"} <= failed, failed
+    assert not {s for s in failed if not s.startswith("backward/")}, failed  # the forward is untouched
+    assert main([str(ckpt), "--grads", "--mode", "isolated"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

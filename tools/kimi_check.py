@@ -3,7 +3,8 @@
 parity.cli.kimi_check).
 
     python tools/kimi_check.py CKPT [--dtype bfloat16|float32] [--T 70] [--seed 0] [--conv-kernel torch|fused]
-        [--mode layer|isolated|free] [--target package.module:Class] [--dump OUT.h5 [--force] | --from-dump DUMP.h5]
+        [--mode layer|isolated|free] [--target package.module:Class] [--grads]
+        [--dump OUT.h5 [--force] | --from-dump DUMP.h5]
 """
 
 import sys

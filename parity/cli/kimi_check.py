@@ -1,7 +1,8 @@
 """The JAX Kimi Linear reference against transformers' built-in on a checkpoint directory, site by site (issue 34).
 
     python tools/kimi_check.py CKPT [--dtype bfloat16|float32] [--T 70] [--seed 0] [--conv-kernel torch|fused]
-        [--mode layer|isolated|free] [--target package.module:Class] [--dump OUT.h5 [--force] | --from-dump DUMP.h5]
+        [--mode layer|isolated|free] [--target package.module:Class] [--grads]
+        [--dump OUT.h5 [--force] | --from-dump DUMP.h5]
 
 CKPT: a Kimi Linear checkpoint (`tools/make_ckpt.py --family kimi-linear --preset tiny|48b-a3b ...`), loaded by
 transformers' own loader in `--dtype` with eager attention and experts. One prompt of T random token ids (seeded) runs
@@ -11,7 +12,9 @@ MoE layers routed to the built-in's experts. Prints one line per layer and site 
 how many tokens the JAX router alone routes elsewhere; exits 1 if any site fails, 2 on bad input. `--dump` also
 writes the built-in's sites as a Kimi dump (the dump schema of DESIGN §4, `parity.torch_ref.kimi_dump`);
 `--from-dump` judges against such a dump without running the built-in (its fingerprint must be CKPT's). `--target`
-judges a port's Kimi target (`parity.targets.kimi`: its protocol) in layer mode instead of the reference.
+judges a port's Kimi target (`parity.targets.kimi`: its protocol) in layer mode instead of the reference. `--grads`
+adds the backward: each layer's input and parameter gradients, the built-in's autograd against the reference's VJP
+(one seeded cotangent per layer), under the gradient rules a `--grads` replay applies.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
                          "the built-in's input of it; free: the JAX layers chained from layer 0's input")
     ap.add_argument("--target", default=None, metavar="package.module:Class",
                     help="judge this Kimi target (parity.targets.kimi; layer mode) instead of the suite's reference")
+    ap.add_argument("--grads", action="store_true",
+                    help="also the backward: every layer's input and parameter gradients (torch autograd vs jax.vjp)")
     ap.add_argument("--dump", metavar="OUT.h5", default=None,
                     help="also write the built-in's sites to OUT.h5 (a Kimi dump, parity.torch_ref.kimi_dump)")
     ap.add_argument("--force", action="store_true", help="with --dump: replace an existing file")
@@ -43,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.target and a.mode != "layer":
         print(f"kimi_check: error: --target judges layer mode (a target's layer_forward); --mode {a.mode} runs the "
               "reference's sub-modules", file=sys.stderr)
+        return 2
+    if a.grads and (a.target or a.from_dump or a.mode != "layer"):
+        print("kimi_check: error: --grads runs the built-in's autograd live beside the reference's VJP (layer mode; "
+              "not with --target or --from-dump)", file=sys.stderr)
         return 2
     if a.dump and a.from_dump:
         print("kimi_check: error: --dump and --from-dump exclude each other (a dump is written from a live run)",
@@ -87,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{a.ckpt}: {cfg.num_hidden_layers} layers, {dtype}, T={T}, {a.mode} mode, {who}; {source} in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     try:
-        failed = _judge_layers(model, sites, dtype, a.mode, a.conv_kernel, T, target)
+        failed = _judge_layers(model, sites, dtype, a.mode, a.conv_kernel, T, target, ids if a.grads else None,
+                               a.seed)
     except ParityError as e:
         print(f"kimi_check: error: {e}", file=sys.stderr)
         return 2
@@ -95,10 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _judge_layers(model, sites: dict, dtype: str, mode: str, conv_kernel: str, T: int, target=None) -> int:
+def _judge_layers(model, sites: dict, dtype: str, mode: str, conv_kernel: str, T: int, target=None, grad_ids=None,
+                  seed: int = 0) -> int:
     """Print every layer's verdicts in `mode` (pass, variant or FAIL: `parity.jax_kimi.check.SiteResult`); the
     number of failed sites."""
-    from parity.jax_kimi.check import free_verdicts, isolated_verdicts, layer_verdicts
+    from parity.jax_kimi.check import free_verdicts, grad_verdicts, isolated_verdicts, layer_verdicts
 
     cfg = model.config
     sd = model.state_dict()
@@ -118,6 +129,9 @@ def _judge_layers(model, sites: dict, dtype: str, mode: str, conv_kernel: str, T
                    else "its own routing flows on")
             print(f"layer {i} {kind} routing: the JAX router on its own input chooses another expert set at {flips} of "
                   f"{T} tokens ({how})", flush=True)
+        if grad_ids is not None:
+            verdicts = verdicts | {f"backward/{s}": r for s, r in
+                                   grad_verdicts(model, grad_ids, sites, i, dtype, seed, conv_kernel).items()}
         for site, res in verdicts.items():
             v = res.verdict
             failed += res.status == "fail"

@@ -267,3 +267,79 @@ def free_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], 
         out.append((_judge(pairs, i, dtype, "free"), flips))
         x = y
     return out
+
+
+def grad_verdicts(model: Any, ids: Any, sites: dict[tuple[int, str], Any], i: int, dtype: str, seed: int = 0,
+                  conv_kernel: str = "torch") -> dict[str, SiteResult]:
+    """Backward, layer mode: layer i of the built-in (torch autograd) and of the JAX reference (`jax.vjp` of
+    `decoder_layer`, routed to the built-in's experts) on the built-in's layer input and one seeded cotangent; their
+    gradients of the layer input (`input`) and of every trainable parameter (`grad.<param>`), judged under Ling3's
+    calibrated gradient rules (`backward/grad.*`, `backward/grad.mlp.experts.*`, `backward/input`) as a `--grads`
+    replay picks them. The built-in's layer runs inside the model's own forward on `ids` (its input replaced by the
+    captured one, so it gets the model's causal mask: called alone, its MLA would attend to every token), and its
+    parameter gradients are put in the JAX layout by the same reader as its weights (`layer_params`: transposes,
+    expert stacks), so both sides are compared leaf by leaf."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from parity.jax_kimi.layer import decoder_layer
+    from parity.jax_kimi.spec import layer_spec
+    from parity.jax_kimi.weights import layer_params
+
+    cfg = model.config
+    layer = model.model.layers[i]
+    x = sites[(i, "input")].detach().clone().requires_grad_(True)
+    g = torch.Generator().manual_seed(seed + i)
+    cot = torch.randn(x.shape, generator=g).to(x.dtype)
+    got: dict[str, Any] = {}
+
+    def feed(m, args, kwargs):  # the captured input in place of the model's own (the same values, now a leaf)
+        if args:
+            return (x,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": x}
+
+    def keep(m, args, kwargs, out) -> None:
+        got["out"] = out[0] if isinstance(out, tuple) else out
+
+    hooks = [layer.register_forward_pre_hook(feed, with_kwargs=True),
+             layer.register_forward_hook(keep, with_kwargs=True)]
+    model.zero_grad(set_to_none=True)
+    try:
+        with torch.enable_grad():
+            model.model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    got["out"].backward(cot)
+    prefix = f"model.layers.{i}."
+    grads = {prefix + n: (t.grad if t.grad is not None else torch.zeros_like(t))
+             for n, t in [*layer.named_parameters(), *layer.named_buffers()]}
+    model.zero_grad(set_to_none=True)
+
+    spec = layer_spec(cfg, i, dtype, conv_kernel)
+    jdt = spec.model.jdtype
+    p = layer_params(model.state_dict(), i, spec)
+    xj = jnp.asarray(as_f32(sites[(i, "input")]), jdt)
+    forced = _forced(sites, i, xj.shape)
+    _, pullback = jax.vjp(lambda p, x: decoder_layer(p, x, spec, None, forced)[0], p, xj)
+    dp, dx = pullback(jnp.asarray(as_f32(cot), jdt))
+    ref_dp = layer_params(grads, i, spec)
+
+    pairs = {"input": (x.grad, dx)}
+    for (path, want), (_, got) in zip(jax.tree_util.tree_flatten_with_path(ref_dp)[0],
+                                      jax.tree_util.tree_flatten_with_path(dp)[0]):
+        name = ".".join(str(k.key) for k in path).replace("experts_", "experts.")
+        if name.endswith("expert_bias"):  # a buffer (e_score_correction_bias): selection only, not trained
+            continue
+        pairs[f"grad.{name}"] = (want, got)
+    out_ = {}
+    from parity.numerics.compare import compare
+    from parity.numerics.tolerances import default_rules
+
+    rules = default_rules()
+    for site, (ref, test) in pairs.items():
+        r, t, tdt = as_f32(ref), as_f32(test), dtype_name(ref)
+        out_[site] = SiteResult(compare(r, t, rules.rule_for(f"backward/{site}", "layer", tdt, dtype),
+                                        name=f"L{i}/backward/{site}", dtype=tdt))
+    return out_
