@@ -162,7 +162,8 @@ def test_targets_are_judged_as_the_reference_is(ckpt, capsys):
     Kimi target fails first at `attention.gate`; a port that returns only outputs is judged there; a target outside
     layer mode, or one that is not importable, is one line."""
     assert main([str(ckpt)]) == 0
-    own = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("layer ") and "(teacher-forced)" not in ln]
+    own = [ln for ln in capsys.readouterr().out.splitlines()
+           if ln.startswith("layer ") and "(teacher-forced)" not in ln]
     assert main([str(ckpt), "--target", "parity.targets.kimi:KimiReferenceTarget"]) == 0
     assert [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("layer ")] == own
     assert main([str(ckpt), "--target", "parity.targets.kimi:KimiPlantedGateActivation"]) == 1
@@ -198,3 +199,23 @@ def test_grads_pass_and_a_backward_only_bug_fails_there(ckpt, capsys, monkeypatc
     assert not {s for s in failed if not s.startswith("backward/")}, failed  # the forward is untouched
     assert main([str(ckpt), "--grads", "--mode", "isolated"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_decode_steps_pass_and_a_cache_bug_fails_only_there(ckpt, tmp_path, capsys, monkeypatch):
+    """`--decode-steps 2`: two tokens decoded through the built-in's cache, each layer judged at each step (the
+    reference continuing from its own state) — every site passes, from a live run and from its dump. An MLA that
+    ignores its key/value cache at decode passes the prefill and fails at the decode steps' attention."""
+    from parity.jax_kimi import mla
+
+    dump = tmp_path / "dec.h5"
+    assert main([str(ckpt), "--decode-steps", "2", "--dump", str(dump)]) == 0
+    out = capsys.readouterr().out
+    assert "layer 1 MLA+sparse decode 2/attention: pass" in out and "layer 0 KDA+dense decode 2/output: pass" in out
+    assert main([str(ckpt), "--from-dump", str(dump)]) == 0
+    assert "decode 2/mlp: pass" in capsys.readouterr().out
+    orig = mla.mla_attention
+    monkeypatch.setattr(mla, "mla_attention", lambda p, x, spec, cache=None: orig(p, x, spec, None))
+    assert main([str(ckpt), "--from-dump", str(dump)]) == 1
+    failed = [ln for ln in capsys.readouterr().out.splitlines() if ": FAIL" in ln]
+    assert failed and all(" decode " in ln for ln in failed), failed
+    assert "layer 1 MLA+sparse decode 1/attention: FAIL" in failed, failed

@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
                          "the built-in's input of it; free: the JAX layers chained from layer 0's input")
     ap.add_argument("--target", default=None, metavar="package.module:Class",
                     help="judge this Kimi target (parity.targets.kimi; layer mode) instead of the suite's reference")
+    ap.add_argument("--decode-steps", type=int, default=0, metavar="N",
+                    help="after the prompt, N tokens decoded one at a time through the built-in's cache, each judged "
+                         "(layer mode, the reference continuing from its own state)")
     ap.add_argument("--grads", action="store_true",
                     help="also the backward: every layer's input and parameter gradients (torch autograd vs jax.vjp)")
     ap.add_argument("--dump", metavar="OUT.h5", default=None,
@@ -53,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         print("kimi_check: error: --grads runs the built-in's autograd live beside the reference's VJP (layer mode; "
               "not with --target or --from-dump)", file=sys.stderr)
         return 2
+    if a.decode_steps and (a.target or a.mode != "layer" or a.from_dump):
+        print("kimi_check: error: --decode-steps judges the reference in layer mode on a live run (a dump brings "
+              "its own decode steps to --from-dump)", file=sys.stderr)
+        return 2
     if a.dump and a.from_dump:
         print("kimi_check: error: --dump and --from-dump exclude each other (a dump is written from a live run)",
               file=sys.stderr)
@@ -62,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from parity.errors import CheckpointError, ConfigError, DumpError, ParityError, TargetError
     from parity.torch_ref.kimi_ckpt import load_kimi_model
-    from parity.torch_ref.kimi_dump import capture_sites, read_kimi_dump, write_kimi_dump
+    from parity.torch_ref.kimi_dump import capture_steps, read_kimi_dump, write_kimi_dump
 
     t0 = time.perf_counter()
     target = None
@@ -72,18 +79,22 @@ def main(argv: list[str] | None = None) -> int:
 
             target = resolve(a.target)()
         if a.from_dump:
-            sites, ids = read_kimi_dump(a.from_dump, a.ckpt)
+            steps, ids, T = read_kimi_dump(a.from_dump, a.ckpt)
+            sites = steps[0]
             dtype = "bfloat16" if str(sites[(0, "input")].dtype) == "bfloat16" else "float32"
             model = load_kimi_model(a.ckpt, dtype)  # its weights only: the JAX layers' parameters
             source = f"dump {a.from_dump}"
         else:
             dtype = a.dtype
             model = load_kimi_model(a.ckpt, dtype)
-            ids = torch.randint(3, model.config.vocab_size, (1, a.T), generator=torch.Generator().manual_seed(a.seed))
-            sites = capture_sites(model, ids)
+            T = a.T
+            ids = torch.randint(3, model.config.vocab_size, (1, T + a.decode_steps),
+                                generator=torch.Generator().manual_seed(a.seed))
+            steps = capture_steps(model, ids, T)
+            sites = steps[0]
             source = "built-in run"
             if a.dump:
-                write_kimi_dump(a.dump, model, a.ckpt, ids, sites, seed=a.seed, force=a.force)
+                write_kimi_dump(a.dump, model, a.ckpt, ids, steps, seed=a.seed, force=a.force)
                 source += f", written to {a.dump}"
     except (CheckpointError, ConfigError, DumpError, TargetError) as e:
         print(f"kimi_check: error: {e}", file=sys.stderr)
@@ -91,12 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     if target is not None:
         target.build(model.config, dtype)
     cfg = model.config
-    T = int(ids.shape[-1])
     who = f"target {a.target}" if target is not None else "the reference"
-    print(f"{a.ckpt}: {cfg.num_hidden_layers} layers, {dtype}, T={T}, {a.mode} mode, {who}; {source} in "
+    print(f"{a.ckpt}: {cfg.num_hidden_layers} layers, {dtype}, T={T} + {len(steps) - 1} decode, {a.mode} mode, {who}; "
+          f"{source} in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     try:
-        failed = _judge_layers(model, sites, dtype, a.mode, a.conv_kernel, T, target, ids if a.grads else None,
+        failed = _judge_layers(model, steps, dtype, a.mode, a.conv_kernel, T, target, ids if a.grads else None,
                                a.seed)
     except ParityError as e:
         print(f"kimi_check: error: {e}", file=sys.stderr)
@@ -105,11 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _judge_layers(model, sites: dict, dtype: str, mode: str, conv_kernel: str, T: int, target=None, grad_ids=None,
+def _judge_layers(model, steps: list, dtype: str, mode: str, conv_kernel: str, T: int, target=None, grad_ids=None,
                   seed: int = 0) -> int:
     """Print every layer's verdicts in `mode` (pass, variant or FAIL: `parity.jax_kimi.check.SiteResult`); the
     number of failed sites."""
-    from parity.jax_kimi.check import free_verdicts, grad_verdicts, isolated_verdicts, layer_verdicts
+    from parity.jax_kimi.check import decode_verdicts, free_verdicts, grad_verdicts, isolated_verdicts, layer_verdicts
+
+    sites = steps[0]
 
     cfg = model.config
     sd = model.state_dict()
@@ -132,6 +145,9 @@ def _judge_layers(model, sites: dict, dtype: str, mode: str, conv_kernel: str, T
         if grad_ids is not None:
             verdicts = verdicts | {f"backward/{s}": r for s, r in
                                    grad_verdicts(model, grad_ids, sites, i, dtype, seed, conv_kernel).items()}
+        if len(steps) > 1 and mode == "layer" and target is None:
+            for k, step in enumerate(decode_verdicts(sd, cfg, steps, i, dtype, conv_kernel), start=1):
+                verdicts = verdicts | {f"decode {k}/{s}": r for s, r in step.items()}
         for site, res in verdicts.items():
             v = res.verdict
             failed += res.status == "fail"

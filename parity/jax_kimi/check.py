@@ -343,3 +343,40 @@ def grad_verdicts(model: Any, ids: Any, sites: dict[tuple[int, str], Any], i: in
         out_[site] = SiteResult(compare(r, t, rules.rule_for(f"backward/{site}", "layer", tdt, dtype),
                                         name=f"L{i}/backward/{site}", dtype=tdt))
     return out_
+
+
+# the points a layer kind carries from one step to the next (`decoder_layer`'s state argument)
+STATE_POINTS = {"kda": ("self_attn.recurrent_state", "self_attn.conv_state"),
+                "mla": ("self_attn.k_nope_cache", "self_attn.k_rot_cache", "self_attn.v_cache")}
+
+
+def decode_verdicts(state_dict: Any, cfg: Any, steps: list[dict[tuple[int, str], Any]], i: int, dtype: str,
+                    conv_kernel: str = "torch") -> list[dict[str, SiteResult]]:
+    """Decode, layer mode: per decode step k >= 1, {site: SiteResult} of the reference layer i fed the built-in's
+    step-k layer input (routed to the built-in's step-k experts) and continuing from its *own* state — its KDA
+    recurrent and conv state, or its MLA key/value cache — after its prefill on the built-in's prefill input and its
+    earlier steps (the built-in's cache is not read). Judged as the prefill is, without the precision shadow; MLA's
+    `attention.kv_b_proj` at the new tokens (the built-in re-expands every cached token's latent each step)."""
+    import jax.numpy as jnp
+
+    from parity.jax_kimi.layer import decoder_layer
+    from parity.jax_kimi.spec import layer_spec
+    from parity.jax_kimi.weights import layer_params
+
+    spec = layer_spec(cfg, i, dtype, conv_kernel)
+    jdt = spec.model.jdtype
+    p = layer_params(state_dict, i, spec)
+    names = STATE_POINTS[spec.kind]
+    out = []
+    state = None
+    for k, sites in enumerate(steps):
+        x = jnp.asarray(as_f32(sites[(i, "input")]), jdt)
+        _, pts = decoder_layer(p, x, spec, state, _forced(sites, i, x.shape))
+        state = tuple(pts[n] for n in names)
+        if k:
+            pairs = judged_pairs(sites, i, pts)
+            if "attention.kv_b_proj" in pairs:  # the built-in expands its whole cached latent at every step
+                ref, test = pairs["attention.kv_b_proj"]  # [B, 1, S, ·]; the JAX point is the new token's [B, 1, ·]
+                pairs["attention.kv_b_proj"] = (ref[..., -x.shape[1]:, :], test)
+            out.append(_judge(pairs, i, dtype, "layer"))
+    return out

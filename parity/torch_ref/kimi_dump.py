@@ -5,7 +5,8 @@ One forward of transformers' `KimiLinearForCausalLM` on a prompt gives, per deco
 layer's input, the norms, the attention's projections, gate and output, the router's logits and top-k ids in
 ascending order per token — only the set carries meaning, DESIGN §4 — the experts' sum, the MLP, the output).
 
-A Kimi dump is a file of the dump schema (`parity.dumpfile`, DESIGN §4) holding those sites as prefill points, with
+A Kimi dump is a file of the dump schema (`parity.dumpfile`, DESIGN §4) holding those sites as prefill points (and
+decode points, one step per token decoded through the built-in's cache, `capture_steps`), with
 `family: kimi_linear` among its root attributes and the built-in's config as `config_json`. `pytest parity` replays
 Ling3 dumps only and refuses a Kimi dump in one line; `tools/kimi_check.py CKPT --from-dump DUMP` judges the JAX
 reference against it (`parity.jax_kimi.check`).
@@ -22,11 +23,17 @@ import numpy as np
 def capture_sites(model: Any, ids: Any) -> dict[tuple[int, str], Any]:
     """{(layer, site): torch tensor} of one forward of the built-in: every site of `parity.model.kimi_family.SITES`
     whose module the layer has (module doc)."""
+    return capture_steps(model, ids, int(ids.shape[-1]))[0]
+
+
+def capture_steps(model: Any, ids: Any, prompt_len: int) -> list[dict[tuple[int, str], Any]]:
+    """[prefill sites, decode step 1 sites, ...]: the prefill of ids[:, :prompt_len], then each following token
+    decoded one at a time through the built-in's own cache (`past_key_values`, as generation runs it)."""
     import torch
 
     from parity.model.kimi_family import SITES
 
-    got: dict[tuple[int, str], Any] = {}
+    steps: list[dict[tuple[int, str], Any]] = []
     hooks = []
 
     def keep(i: int, site, args: tuple, kwargs: dict, out: Any) -> None:  # None: the module's output is unchanged
@@ -35,7 +42,7 @@ def capture_sites(model: Any, ids: Any) -> dict[tuple[int, str], Any]:
         else:
             t = out[site.index] if site.index is not None else (out[0] if isinstance(out, tuple) else out)
         t = t.detach()
-        got[(i, site.site)] = torch.sort(t, dim=-1).values if site.sort else t.clone()
+        steps[-1][(i, site.site)] = torch.sort(t, dim=-1).values if site.sort else t.clone()
 
     for i, layer in enumerate(model.model.layers):
         for site in SITES:
@@ -47,11 +54,18 @@ def capture_sites(model: Any, ids: Any) -> dict[tuple[int, str], Any]:
                 lambda m, a, kw, o, i=i, site=site: keep(i, site, a, kw, o), with_kwargs=True))
     try:
         with torch.no_grad():
-            model(ids)
+            steps.append({})
+            if prompt_len == ids.shape[-1]:
+                model(ids)
+            else:
+                cache = model(ids[:, :prompt_len], use_cache=True).past_key_values
+                for t in range(prompt_len, ids.shape[-1]):
+                    steps.append({})
+                    cache = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).past_key_values
     finally:
         for h in hooks:
             h.remove()
-    return got
+    return steps
 
 
 def _numpy(t: Any) -> np.ndarray:
@@ -67,10 +81,10 @@ def _numpy(t: Any) -> np.ndarray:
     return t.numpy()
 
 
-def write_kimi_dump(path: str | Path, model: Any, ckpt_dir: str | Path, ids: Any, sites: dict[tuple[int, str], Any],
-                    *, seed: int, force: bool = False) -> Path:
-    """Write `sites` (`capture_sites` of `model` on `ids` [1, T]) as a Kimi dump at `path` (module doc); an existing
-    file is refused unless `force`. Returns the path."""
+def write_kimi_dump(path: str | Path, model: Any, ckpt_dir: str | Path, ids: Any,
+                    steps: list[dict[tuple[int, str], Any]], *, seed: int, force: bool = False) -> Path:
+    """Write `steps` (`capture_steps` of `model` on `ids` [1, T]: the prefill, then decode steps 1, 2, ...) as a Kimi
+    dump at `path` (module doc); an existing file is refused unless `force`. Returns the path."""
     from parity.dumpfile import DumpWriter, fingerprint_checkpoint
     from parity.model.kimi_family import FAMILY
     from parity.model.points import Point
@@ -89,15 +103,18 @@ def write_kimi_dump(path: str | Path, model: Any, ckpt_dir: str | Path, ids: Any
         "seed": seed,
     }
     with DumpWriter(path, meta, force=force) as w:
-        w.write_tokens(np.asarray(ids), int(np.shape(ids)[-1]))
-        for (i, site), t in sorted(sites.items()):
-            w.write(Point("prefill", 0, i, site), _numpy(t), io="input" if site.endswith(":in") else "output")
+        w.write_tokens(np.asarray(ids), int(np.shape(ids)[-1]) - (len(steps) - 1))
+        for k, sites in enumerate(steps):
+            for (i, site), t in sorted(sites.items()):
+                w.write(Point("prefill" if k == 0 else "decode", k, i, site), _numpy(t),
+                        io="input" if site.endswith(":in") else "output")
     return Path(path)
 
 
-def read_kimi_dump(path: str | Path, ckpt_dir: str | Path) -> tuple[dict[tuple[int, str], np.ndarray], np.ndarray]:
-    """({(layer, site): array}, input ids) of a Kimi dump, checked to be one (`family`) and to come from `ckpt_dir`
-    (its checkpoint fingerprint); anything else is a one-line `DumpError`."""
+def read_kimi_dump(path: str | Path, ckpt_dir: str | Path) -> tuple[list[dict[tuple[int, str], np.ndarray]], np.ndarray,
+                                                                    int]:
+    """([prefill sites, decode step 1 sites, ...], input ids, prompt length) of a Kimi dump, checked to be one
+    (`family`) and to come from `ckpt_dir` (its checkpoint fingerprint); anything else is a one-line `DumpError`."""
     from parity.dumpfile import DumpReader, fingerprint_checkpoint
     from parity.errors import DumpError
     from parity.model.kimi_family import FAMILY
@@ -106,5 +123,7 @@ def read_kimi_dump(path: str | Path, ckpt_dir: str | Path) -> tuple[dict[tuple[i
         if d.meta.get("family") != FAMILY:
             raise DumpError(f"{path}: root attr family {d.meta.get('family')!r}, expected {FAMILY!r} (a dump of "
                             f"tools/kimi_check.py --dump; Ling3 dumps are replayed by pytest parity)")
-        sites = {(p.layer, p.site): d.read(p) for p in d.points() if p.phase == "prefill" and p.layer is not None}
-        return sites, d.input_ids
+        steps = [{(p.layer, p.site): d.read(p) for p in d.points()
+                  if p.phase == ("prefill" if k == 0 else "decode") and p.step == k and p.layer is not None}
+                 for k in range(1 + len(d.steps("decode")))]
+        return steps, d.input_ids, d.prompt_len
