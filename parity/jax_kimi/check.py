@@ -1,16 +1,17 @@
 """The JAX Kimi Linear layers against transformers' built-in `KimiLinearForCausalLM`, site by site (issue 34).
 
-One forward of the built-in on a prompt records, per decoder layer, its input and output and the outputs of its
-`input_layernorm`, `self_attn`, `post_attention_layernorm` and `mlp` modules (and the MLP's input, the router's
-output), named by the canonical sites (`parity.torch_ref.kimi_dump.capture_sites`). Each JAX layer
+One forward of the built-in on a prompt records, per decoder layer, the sites `parity.model.kimi_family.SITES` names
+(`parity.torch_ref.kimi_dump.capture_steps`: the norms, the attention's projections, gate and gated norm, the
+router's output, the experts' sum, the MLP, the layer's input and output; decode steps too). Each JAX layer
 (`parity.jax_kimi.layer.decoder_layer`) is then fed the built-in's own layer input (teacher forcing: a divergence is
 the layer's, not carried in from an earlier one) and its points are judged at those sites under Ling3's calibrated
-layer-mode rules for the dtype (`parity.numerics`: the rules a replay applies; they are per site class, which issue 34
-§3 asks to carry over to the family). As in a layer replay, a MoE layer is routed to the built-in's experts (its
-`mlp.gate` output): a near-tie decided the other way by a last-bit difference of the router input would otherwise
-swap an expert and fail the MLP without a bug; the tokens where the JAX router on its own input chooses another set
-are counted (`routing_flips`), and the router logits are judged as a site. `mlp (teacher-forced)` feeds the JAX MLP
-the built-in's MLP input, so an MLP that only inherits an upstream difference still passes there.
+rules, looked up as a replay looks them up (the site, the tensor's dtype, the run's dtype as the compute dtype;
+`parity.numerics`: they are per site class, which issue 34 §3 asks to carry over to the family). As in a layer
+replay, a MoE layer is routed to the built-in's experts (its `mlp.gate` output): a near-tie decided the other way by
+a last-bit difference of the router input would otherwise swap an expert and fail the MLP without a bug; the tokens
+where the JAX router on its own input chooses another set are counted (`routing_flips`), and the router logits are
+judged as a site. `mlp (teacher-forced)` feeds the JAX MLP the built-in's MLP input, so an MLP that only inherits an
+upstream difference still passes there. Isolated and free modes, decode steps and the backward are below.
 
 A bf16 site that fails its rule is then asked, as a replay asks (`parity.replay.shadows.precision_entry`, the rule's
 `precision_ratio` and `precision_dump_peak`), whether the JAX side is the more precise one: the same computation in
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+
 
 def as_f32(t: Any) -> np.ndarray:
     """A torch or JAX tensor as a float32 numpy array (bf16 values are exact in float32)."""
