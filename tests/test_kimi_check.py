@@ -219,3 +219,27 @@ def test_decode_steps_pass_and_a_cache_bug_fails_only_there(ckpt, tmp_path, caps
     failed = [ln for ln in capsys.readouterr().out.splitlines() if ": FAIL" in ln]
     assert failed and all(" decode " in ln for ln in failed), failed
     assert "layer 1 MLA+sparse decode 1/attention: FAIL" in failed, failed
+
+
+def test_under_xla_defaults_the_reference_is_variants_and_a_bug_still_fails(ckpt):
+    """Compiled as a port runs (`LING3_REFERENCE_XLA_DEFAULTS=1`: XLA's default excess precision), the reference
+    keeps fp32 where the built-in rounds to bf16; the precision shadow calls those sites variants (more precise than
+    the reference) and every site passes — while the planted gate bug still fails at `attention.gate`. Each in its
+    own process: the flag is read when `parity.jax_ling3` is imported."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "kimi_check.py"
+    # XLA's defaults: also without the excess-precision switch tests/conftest.py sets for this process
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_allow_excess_precision" not in f)
+    env = {**os.environ, "LING3_REFERENCE_XLA_DEFAULTS": "1", "XLA_FLAGS": flags}
+    ok = subprocess.run([sys.executable, str(tool), str(ckpt)], env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-2000:]
+    assert "variant, more precise than the reference" in ok.stdout and "every site passed" in ok.stdout, ok.stdout
+    bad = subprocess.run([sys.executable, str(tool), str(ckpt), "--target",
+                          "parity.targets.kimi:KimiPlantedGateActivation"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-2000:]
+    first = next(ln for ln in bad.stdout.splitlines() if ": FAIL" in ln)
+    assert first == "layer 0 KDA+dense attention.gate: FAIL", bad.stdout
