@@ -143,8 +143,7 @@ def _judge_layers(model, steps: list, dtype: str, mode: str, conv_kernel: str, T
             print(f"layer {i} {kind} routing: the JAX router on its own input chooses another expert set at {flips} of "
                   f"{T} tokens ({how})", flush=True)
         if grad_ids is not None:
-            verdicts = verdicts | {f"backward/{s}": r for s, r in
-                                   grad_verdicts(model, grad_ids, sites, i, dtype, seed, conv_kernel).items()}
+            verdicts = verdicts | grad_verdicts(model, grad_ids, sites, i, dtype, seed, conv_kernel)
         if len(steps) > 1 and mode == "layer" and target is None:
             for k, step in enumerate(decode_verdicts(sd, cfg, steps, i, dtype, conv_kernel), start=1):
                 verdicts = verdicts | {f"decode {k}/{s}": r for s, r in step.items()}

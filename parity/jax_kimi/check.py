@@ -114,13 +114,12 @@ class SiteResult:
 
 def _judge(pairs: dict[str, tuple[Any, Any]], i: int, dtype: str, mode: str,
            shadow: Callable[[], dict[str, Any]] | None = None) -> dict[str, SiteResult]:
-    """{site: Verdict} of (reference, test) pairs under Ling3's calibrated rules for `mode`, as a replay picks them:
+    """{site: SiteResult} of (reference, test) pairs under Ling3's calibrated rules for `mode`, as a replay picks them:
     by the site, the reference tensor's dtype and the run's (`dtype`) as the compute dtype; a site name's first word
     picks the rule (`mlp (teacher-forced)` is judged as `mlp`). The test is laid out as the reference where only the
     layout differs (the built-in's [B,1,T,·] or [N,·] views of a [B,T,·] point)."""
     from parity.numerics.compare import compare
     from parity.numerics.tolerances import default_rules
-
     from parity.replay.shadows import precision_entry
 
     rules = default_rules()
@@ -275,7 +274,8 @@ def grad_verdicts(model: Any, ids: Any, sites: dict[tuple[int, str], Any], i: in
                   conv_kernel: str = "torch") -> dict[str, SiteResult]:
     """Backward, layer mode: layer i of the built-in (torch autograd) and of the JAX reference (`jax.vjp` of
     `decoder_layer`, routed to the built-in's experts) on the built-in's layer input and one seeded cotangent; their
-    gradients of the layer input (`input`) and of every trainable parameter (`grad.<param>`), judged under Ling3's
+    gradients of the layer input (`backward/input`) and of every trainable parameter (`backward/grad.<param>`),
+    judged under Ling3's
     calibrated gradient rules (`backward/grad.*`, `backward/grad.mlp.experts.*`, `backward/input`) as a `--grads`
     replay picks them. The built-in's layer runs inside the model's own forward on `ids` (its input replaced by the
     captured one, so it gets the model's causal mask: called alone, its MLA would attend to every token), and its
@@ -328,23 +328,14 @@ def grad_verdicts(model: Any, ids: Any, sites: dict[tuple[int, str], Any], i: in
     dp, dx = pullback(jnp.asarray(as_f32(cot), jdt))
     ref_dp = layer_params(grads, i, spec)
 
-    pairs = {"input": (x.grad, dx)}
-    for (path, want), (_, got) in zip(jax.tree_util.tree_flatten_with_path(ref_dp)[0],
-                                      jax.tree_util.tree_flatten_with_path(dp)[0]):
+    pairs = {"backward/input": (x.grad, dx)}
+    for (path, want), (_, test) in zip(jax.tree_util.tree_flatten_with_path(ref_dp)[0],
+                                       jax.tree_util.tree_flatten_with_path(dp)[0]):
         name = ".".join(str(k.key) for k in path).replace("experts_", "experts.")
         if name.endswith("expert_bias"):  # a buffer (e_score_correction_bias): selection only, not trained
             continue
-        pairs[f"grad.{name}"] = (want, got)
-    out_ = {}
-    from parity.numerics.compare import compare
-    from parity.numerics.tolerances import default_rules
-
-    rules = default_rules()
-    for site, (ref, test) in pairs.items():
-        r, t, tdt = as_f32(ref), as_f32(test), dtype_name(ref)
-        out_[site] = SiteResult(compare(r, t, rules.rule_for(f"backward/{site}", "layer", tdt, dtype),
-                                        name=f"L{i}/backward/{site}", dtype=tdt))
-    return out_
+        pairs[f"backward/grad.{name}"] = (want, test)
+    return _judge(pairs, i, dtype, "layer")  # the sites' `backward/` prefix picks the gradient rules
 
 
 # the points a layer kind carries from one step to the next (`decoder_layer`'s state argument)

@@ -24,7 +24,9 @@ def _array(t: Any) -> jnp.ndarray:
     """A torch tensor or array-like as a jnp array of the same dtype (bf16 kept bf16: its fp32 upcast is exact)."""
     if hasattr(t, "detach"):  # torch, without importing it
         t = t.detach().cpu()
-        if str(t.dtype) == "torch.bfloat16":  # its 16 bits as numpy's bfloat16 (ml_dtypes), no fp32 copy
+        # its 16 bits as numpy's bfloat16 (ml_dtypes) without a host copy (`capture.to_numpy` copies; a real-shape
+        # expert stack is 3.6 GB), nor an fp32 one
+        if str(t.dtype) == "torch.bfloat16":
             import ml_dtypes
             import torch
 

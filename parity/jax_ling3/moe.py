@@ -157,10 +157,11 @@ def _expert_weights(stack: jnp.ndarray, dt):
     up = _up()
     if stack.dtype != jnp.bfloat16 or dt != jnp.bfloat16:
         return lambda e: up(stack[e].astype(dt))
-    bits = jax.lax.bitcast_convert_type(stack, jnp.uint16)
     if up is _upcast_cpu and jax.default_backend() == "cpu":  # `_upcast_cpu` on the bits directly
+        bits = jax.lax.bitcast_convert_type(stack, jnp.uint16)
         return lambda e: jax.lax.bitcast_convert_type(bits[e].astype(jnp.uint32) << 16, F32)
-    return lambda e: up(jax.lax.bitcast_convert_type(bits[e], jnp.bfloat16))
+    slab = _bf16_slab(stack)
+    return lambda e: up(slab(e))
 
 
 def _bf16_slab(stack: jnp.ndarray):

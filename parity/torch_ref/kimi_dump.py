@@ -69,16 +69,11 @@ def capture_steps(model: Any, ids: Any, prompt_len: int) -> list[dict[tuple[int,
 
 
 def _numpy(t: Any) -> np.ndarray:
-    """A torch tensor as numpy, bf16 as numpy's bfloat16 (ml_dtypes) bit for bit, ids as int32."""
-    import ml_dtypes
-    import torch
+    """A torch tensor as numpy (`capture.to_numpy`: bf16 bit for bit as ml_dtypes'), ids as int32."""
+    from parity.torch_ref.capture import to_numpy
 
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    if not t.is_floating_point():
-        return t.numpy().astype(np.int32)
-    return t.numpy()
+    a = to_numpy(t)
+    return a.astype(np.int32) if a.dtype.kind in "iu" else a
 
 
 def write_kimi_dump(path: str | Path, model: Any, ckpt_dir: str | Path, ids: Any,
