@@ -474,3 +474,11 @@ if __name__ == "__main__":
         room = float(b) / top if b is not None and top else float("inf")
         print(f"{name:36s} value {float(b) if b is not None else float('nan'):<10.3g} largest passing {top:<10.3g} "
               f"headroom x{room:<8.1f} ({ok} passing, {bad} above)")
+AMD_EPYC_BF16 = "AMD EPYC 2-core VM, AVX-512 + avx512_bf16 (AuthenticAMD/AVX512), with and without the AVX2 caps, 2026-11-29 (seventh session)"
+NATIVE_BWD_VS_PLAIN_AD = Bound(
+    "NATIVE_BWD_VS_PLAIN_AD", 5e-4, measured=6.33e-5, measured_on=(AMD_EPYC_BF16,), kind="measured",
+    why="a native-bf16 VJP (ops.BWD_NATIVE_BF16: MLA's attention core) vs plain AD of the readable function in bf16, "
+        "rel-L2 per gradient: the same rounding points with fp32 sums (and the softmax's exp and reciprocal) in other "
+        "orders, so rare elements move by a bf16 ULP: dq 6.3e-5, dk 4.1e-5, dv 0 (with and without the AVX2 caps); "
+        "x7.9 headroom. One bf16 rounding lost (XLA's YNNPACK reduce fusion, parity.jax_ling3._ynn_dots_only) gives "
+        "3.6e-3, dq 1 % off 7.6e-3, the scale forgotten ~6")

@@ -59,3 +59,13 @@ def test_fast_compile_option_keeps_every_bit(i):
     assert _differing(ref, _layer(i, default_emitters)) == []
     if i == 1:  # the comparison sees a changed rounding: excess precision moves the KDA output norm's bf16 points
         assert _differing(ref, _layer(i, {**REFERENCE_COMPILER_OPTIONS, "xla_allow_excess_precision": True}))
+
+
+@pytest.mark.parametrize("i", [1, 3], ids=["kda_moe", "mla_moe"])
+def test_ynn_dots_only_option_keeps_every_forward_bit(i):
+    """`parity.jax_ling3._ynn_dots_only` (YNNPACK's dot + reduce fusion off: it drops bf16 round trips in a VJP,
+    tests/test_jax_native_bwd.py) leaves the forward's bits alone: the golden's layers compiled with and without it."""
+    key = "xla_cpu_experimental_ynn_fusion_type"
+    if key not in REFERENCE_COMPILER_OPTIONS:
+        pytest.skip("the reference keeps XLA's default YNNPACK fusions with this jaxlib (nothing to check)")
+    assert _differing(_layer(i, None), _layer(i, {k: v for k, v in REFERENCE_COMPILER_OPTIONS.items() if k != key})) == []

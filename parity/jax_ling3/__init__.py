@@ -33,7 +33,7 @@ def _reference_compiler_options() -> dict:
     XLA's defaults)."""
     if os.environ.get("LING3_REFERENCE_XLA_DEFAULTS", "").strip() in ("1", "true", "yes"):
         return {}
-    return {"xla_allow_excess_precision": False, **_MEMORY_LEAN_CPU_SCHEDULE, **_legacy_cpu_emitters()}
+    return {"xla_allow_excess_precision": False, **_MEMORY_LEAN_CPU_SCHEDULE, **_legacy_cpu_emitters(), **_ynn_dots_only()}
 
 
 # XLA:CPU's default (concurrency-optimised) scheduler starts every weight's fp32 upcast early, so all of a layer's
@@ -61,6 +61,25 @@ def _legacy_cpu_emitters() -> dict:
     except Exception:  # no jaxlib metadata: leave XLA's default
         return {}
     return {"xla_cpu_use_fusion_emitters": False} if (major, minor) == (0, 10) else {}
+
+
+def _ynn_dots_only() -> dict:
+    """XLA:CPU (jaxlib 0.10) hands dots to YNNPACK (its native bf16 × bf16 -> fp32 kernels) and by default also
+    fuses a dot with the elementwise ops and reduction that consume it into one YNNPACK kernel. That reduce fusion
+    drops the f32 -> bf16 -> f32 round trips inside it even with `xla_allow_excess_precision=false` (measured
+    2026-11-29, AMD EPYC with avx512_bf16: MLA's attention VJP, `mla._core_bf16`, d probs = bf16(dO · Vᵀ) fused with
+    the softmax VJP's row sum: dq 0.36 % rel-L2 off the same program run op by op, i.e. one bf16 rounding lost on
+    most elements). Dots alone keep YNNPACK's speed (a [512, 1536] x [1536, 2048] bf16 dot 6.7 ms as with the
+    default, 13.5 ms with YNNPACK off) and every rounding. Only on the jaxlib minor version it was measured on
+    (another may not know the option); tests/test_jax_native_bwd.py fails without it."""
+    try:
+        from importlib.metadata import version
+
+        major, minor = (int(x) for x in version("jaxlib").split(".")[:2])
+    except Exception:  # no jaxlib metadata: leave XLA's default
+        return {}
+    return {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"} if (major, minor) == (0, 10) \
+        else {}
 
 
 REFERENCE_COMPILER_OPTIONS = _reference_compiler_options()

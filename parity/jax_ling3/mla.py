@@ -10,6 +10,7 @@ the rounded product, softmax in fp32 cast back, head gate σ in fp32 cast back.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 
 from parity.model.config import MLA_NORM_EPS as CONFIG_MLA_NORM_EPS
 from parity.jax_ling3.norms import rms_norm
-from parity.jax_ling3.ops import dot_f32, linear
+from parity.jax_ling3.ops import bf16_dot, dot_f32, linear, native_bf16_backward
 from parity.jax_ling3.probes import tap
 from parity.jax_ling3.rope import apply_rope_interleaved, cos_sin
 from parity.jax_ling3.spec import LayerSpec
@@ -132,9 +133,49 @@ def _naive(q_nope, q_rope, k_nope, v, k_rope, allowed, scale, dt):
     H = q.shape[2]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_rope.shape[:2], H, k_rope.shape[-1]))],
                         axis=-1)
-    probs = _softmax_probs(dot_f32("bthd,bshd->bhts", q, k).astype(dt), scale,
-                           allowed, dt)
+    if native_bf16_backward(q, k, v):
+        return _core_bf16(q, k, v, allowed, scale)
+    return _core(q, k, v, allowed, scale, dt)
+
+
+def _core(q, k, v, allowed, scale, dt):
+    """The attention core of the naive form (q [B,T,H,d], k [B,S,H,d], v [B,S,H,v]): its plain-AD VJP is the
+    readable reference of `_core_bf16`'s."""
+    probs = _softmax_probs(dot_f32("bthd,bshd->bhts", q, k).astype(dt), scale, allowed, dt)
     return _mm("bhts,bshv->bthv", probs, v, dt)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _core_bf16(q, k, v, allowed, scale):
+    """`_core` of bf16 operands on CPU (`ops.BWD_NATIVE_BF16`): the same forward bits; under a VJP its products are
+    native bf16 dots (as a bf16 torch matmul and its autograd: fp32 sums, each product rounded once to bf16)."""
+    return _core(q, k, v, allowed, scale, jnp.bfloat16)
+
+
+def _core_bf16_fwd(q, k, v, allowed, scale):
+    bf = jnp.bfloat16
+    s = (bf16_dot("bthd,bshd->bhts", q, k).astype(bf).astype(F32) * scale).astype(bf)
+    p32 = jax.nn.softmax(jnp.where(allowed, s.astype(F32), -jnp.inf), axis=-1)  # fp32 softmax, saved as torch does
+    out = bf16_dot("bhts,bshv->bthv", p32.astype(bf), v).astype(bf)
+    return out, (q, k, v, allowed, p32)
+
+
+def _core_bf16_bwd(scale, res, dout):
+    """Plain AD of `_core` step by step, in torch autograd's roundings: d probs and dv rounded to bf16, the softmax's
+    VJP p ⊙ (d − Σ d p) in fp32 on its fp32 output, rounded; × scale in fp32, rounded; dq and dk rounded."""
+    q, k, v, allowed, p32 = res
+    bf = jnp.bfloat16
+    dout = dout.astype(bf)
+    d32 = bf16_dot("bthv,bshv->bhts", dout, v).astype(bf).astype(F32)
+    dv = bf16_dot("bhts,bthv->bshv", p32.astype(bf), dout).astype(bf)
+    ds = jnp.where(allowed, p32 * (d32 - jnp.sum(d32 * p32, axis=-1, keepdims=True)), 0).astype(bf)
+    dsr = (ds.astype(F32) * scale).astype(bf)
+    dq = bf16_dot("bhts,bshd->bthd", dsr, k).astype(bf)
+    dk = bf16_dot("bhts,bthd->bshd", dsr, q).astype(bf)
+    return dq, dk, dv, None
+
+
+_core_bf16.defvjp(_core_bf16_fwd, _core_bf16_bwd)
 
 
 def _absorbed(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, allowed, scale, dt):

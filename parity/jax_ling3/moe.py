@@ -347,17 +347,17 @@ def _routed_blocked_bwd(limit, Bs, Bb, res, dout):
             y = _bf16_dot("ni,id->nd", h, wd).astype(dt)  # the rows' outputs, for dw
             dgu = swiglu_vjp(_bf16_dot("nd,id->ni", dyb, wd).astype(dt))[0]  # [size, 2I] in dt
             dxr = _bf16_dot("ni,di->nd", dgu[:, :I], wg) + _bf16_dot("ni,di->nd", dgu[:, I:], wu)
-            xb, dgu, dyb = up(xb), up(dgu), up(dyb)
+            gut, gdt = ops.bf16_dot_wgrad(dgu, xb), ops.bf16_dot_wgrad(dyb.astype(dt), h)  # rows contracted
         else:
             wgu, wd = ws
             h, swiglu_vjp = jax.vjp(swiglu_split, matmul_f32(xb, wgu).astype(dt))
             y = matmul_f32(up(h), wd).astype(dt)
             dgu = up(swiglu_vjp(matmul_f32(dyb, wd.T).astype(dt))[0])  # [size, 2I]
             dxr = matmul_f32(dgu, wgu.T)
+            gut, gdt = matmul_f32(dgu.T, xb), matmul_f32(dyb.T, up(h))
         dwr = jnp.sum(jax.lax.dynamic_slice_in_dim(douts, r0, size).astype(F32) * y.astype(F32), axis=1)
         pad = Bb - size
-        return (matmul_f32(dgu.T, xb), matmul_f32(dyb.T, up(h)), jnp.pad(dxr, ((0, pad), (0, 0))),
-                jnp.pad(dwr, (0, pad)))
+        return gut, gdt, jnp.pad(dxr, ((0, pad), (0, 0))), jnp.pad(dwr, (0, pad))
 
     def expert_body(i, carry):  # every used expert, its first min(count, Bb) rows in one chunk
         dxs, dws, stacks = carry
