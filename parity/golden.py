@@ -94,6 +94,40 @@ GOLDEN = (
 )
 
 
+
+# --------------------------------------------------------------------------------------------- Kimi Linear (issue 34)
+KIMI_DUMPS = DUMPS / "kimi"  # a folder of their own: what reads every Ling3 golden in dumps/*.h5 does not meet them
+KIMI_CKPT = "kimi-tiny"  # dumps/ckpt/kimi-tiny: `tools/make_ckpt.py --family kimi-linear --preset tiny --seed 0`
+KIMI_PROMPT_LEN = 70  # > 64: two chunks of the built-in's chunked KDA
+KIMI_DECODE_STEPS = 2
+# The CPU kind that made them (`machine_kind()`): regeneration is bit-identical there (tests/test_kimi_goldens.py)
+KIMI_MACHINE = "AuthenticAMD/AVX512"
+
+
+@dataclass(frozen=True)
+class KimiGolden:
+    """A bundled Kimi Linear dump: transformers' built-in `KimiLinearForCausalLM` on dumps/ckpt/kimi-tiny (fp32
+    weights; the bf16 dump casts them), written by `tools/kimi_check.py --dump` (`parity.torch_ref.kimi_dump`)."""
+
+    file: str
+    dtype: str  # "float32" | "bfloat16"
+
+    def ckpt_command(self) -> str:
+        return (f"python tools/make_ckpt.py --family kimi-linear --preset tiny --seed {SEED} --dtype fp32 "
+                f"--out dumps/ckpt/{KIMI_CKPT} --force")
+
+    def args(self, out: str | Path | None = None) -> list[str]:
+        """kimi_check.py arguments (relative to the repository root)."""
+        return [f"dumps/ckpt/{KIMI_CKPT}", "--dtype", self.dtype, "--T", str(KIMI_PROMPT_LEN), "--decode-steps",
+                str(KIMI_DECODE_STEPS), "--seed", str(SEED), "--dump", str(out or f"dumps/kimi/{self.file}"),
+                "--force"]
+
+    def command(self) -> str:
+        return "SOURCE_DATE_EPOCH=0 python tools/kimi_check.py " + " ".join(self.args())
+
+
+KIMI_GOLDEN = (KimiGolden("kimi-tiny-fp32.h5", "float32"), KimiGolden("kimi-tiny-bf16.h5", "bfloat16"))
+
 # ------------------------------------------------------------------------------------------------ structure check
 # What a regenerated golden must match on every machine (issue 25 item 7): bit-identity holds only on the CPU kind
 # that made it, but the set of points, their shapes, dtypes and attrs, the root attrs' keys and their CPU-independent

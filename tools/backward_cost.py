@@ -1,7 +1,7 @@
 """Cost of the backward replay per layer kind (issue 26): the reference's `layer_backward` (jax.vjp of the layer,
 teacher-forced, routing forced) vs the twin's torch autograd backward of the same layer on the same input and
 cotangent (forward + backward, as `loss.backward()` runs it; the JAX VJP also runs the forward). Not a test:
-`python tools/backward_cost.py CKPT [--T 512] [--dtype bfloat16] [--reps 3] [--xla-memory]` (CKPT e.g. a 4-layer
+`python tools/backward_cost.py CKPT [--T 512] [--dtype bfloat16] [--reps 3] [--xla-memory] [--heap-reuse]` (CKPT e.g. a 4-layer
 Ling3-Tiny from `tools/make_ckpt.py --preset ling3-tiny --layers 4`). `--layers 3` measures only layer 3.
 `LING3_PARITY_CPU_ISA=AVX2` runs it as on an AVX2-only CPU (`parity.cpu_isa`: caps oneDNN, MKL, ATen, XLA:CPU).
 
@@ -22,6 +22,7 @@ layer VJP (XLA temporaries, arguments, outputs)."""
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -29,6 +30,14 @@ import time
 from parity.cpu_isa import apply_isa_cap, describe_caps
 
 apply_isa_cap()  # before torch and jax are imported: each library reads its ISA switch at first use
+
+# `--heap-reuse`: glibc keeps and reuses freed memory for the whole process, both sides alike (glibc reads these at
+# start-up, so the tool re-executes itself with them). XLA:CPU allocates a layer VJP's outputs (Ling3-Tiny MLA+MoE:
+# three 201 MB expert-gradient stacks) and its temporaries afresh each call, each a new mmap whose pages fault in and
+# are unmapped after; torch's autograd allocates many small tensors that glibc recycles from its heap.
+HEAP_REUSE_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
+if "--heap-reuse" in sys.argv[1:] and any(os.environ.get(k) != v for k, v in HEAP_REUSE_ENV.items()):
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **HEAP_REUSE_ENV})
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -44,12 +53,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layers", type=int, nargs="*", default=None, help="layer indices (default: all)")
     ap.add_argument("--xla-memory", action="store_true", help="also print compiled.memory_analysis() of the VJP")
+    ap.add_argument("--heap-reuse", action="store_true",
+                    help="glibc keeps and reuses freed memory (MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 "
+                         "MALLOC_TRIM_THRESHOLD_=2^34) for the whole process: both sides without fresh mmaps")
     a = ap.parse_args()
     from parity.jax_ling3.weights import CheckpointReader
     from parity.targets.reference import ReferenceTarget, release_freed_heap
     from parity.torch_ref.loader import load_model
 
-    print(f"ISA caps: {describe_caps()}", flush=True)
+    heap = " ".join(f"{k}={os.environ[k]}" for k in HEAP_REUSE_ENV if k in os.environ)
+    print(f"ISA caps: {describe_caps()}; allocator: {heap or 'glibc defaults'}", flush=True)
     lm = load_model(a.ckpt, "remote", dtype=a.dtype)
     model, cfg = lm.model, lm.config
     tdt = model.dtype

@@ -113,16 +113,17 @@ class SiteResult:
 
 
 def _judge(pairs: dict[str, tuple[Any, Any]], i: int, dtype: str, mode: str,
-           shadow: Callable[[], dict[str, Any]] | None = None) -> dict[str, SiteResult]:
-    """{site: SiteResult} of (reference, test) pairs under Ling3's calibrated rules for `mode`, as a replay picks them:
-    by the site, the reference tensor's dtype and the run's (`dtype`) as the compute dtype; a site name's first word
-    picks the rule (`mlp (teacher-forced)` is judged as `mlp`). The test is laid out as the reference where only the
-    layout differs (the built-in's [B,1,T,·] or [N,·] views of a [B,T,·] point)."""
+           shadow: Callable[[], dict[str, Any]] | None = None, rules: Any = None) -> dict[str, SiteResult]:
+    """{site: SiteResult} of (reference, test) pairs under `rules` (default the family's: Ling3's calibrated rules
+    with Kimi's overlay, `kimi_family.rules()`) for `mode`, as a replay picks them: by the site, the reference
+    tensor's dtype and the run's (`dtype`) as the compute dtype; a site name's first word picks the rule
+    (`mlp (teacher-forced)` is judged as `mlp`). The test is laid out as the reference where only the layout differs
+    (the built-in's [B,1,T,·] or [N,·] views of a [B,T,·] point)."""
+    from parity.model import kimi_family
     from parity.numerics.compare import compare
-    from parity.numerics.tolerances import default_rules
     from parity.replay.shadows import precision_entry
 
-    rules = default_rules()
+    rules = kimi_family.rules() if rules is None else rules
     out, shadows = {}, None
     for site, (ref, test) in pairs.items():
         r, t, tdt = as_f32(ref), as_f32(test), dtype_name(ref)
@@ -157,7 +158,7 @@ def _own_routing_flips(p: dict, spec: Any, sites: dict, i: int, x_normed: Any) -
 
 
 def layer_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], i: int, dtype: str,
-                   conv_kernel: str = "torch", jit: bool = False, target: Any = None
+                   conv_kernel: str = "torch", jit: bool = False, target: Any = None, rules: Any = None
                    ) -> tuple[dict[str, SiteResult], int | None]:
     """Layer mode: ({site: SiteResult}, routing flips or None for a dense layer) of layer i fed the built-in's
     layer-i input, routed to the built-in's experts, at every judged site of `kimi_family.SITES` the layer has.
@@ -202,14 +203,14 @@ def layer_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any],
         got = {site: pts32[t] for site, t in _jax_points(sites, i).items() if t in pts32}
         return got | {"mlp (teacher-forced)": tf32}
 
-    results = _judge(pairs, i, dtype, "layer", shadow)
+    results = _judge(pairs, i, dtype, "layer", shadow, rules)
     if target is not None:
         results = {s: results.get(s, SiteResult(None)) for s in _jax_points(sites, i)}
     return results, flips
 
 
 def isolated_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], i: int, dtype: str,
-                      conv_kernel: str = "torch") -> dict[str, Any]:
+                      conv_kernel: str = "torch", rules: Any = None) -> dict[str, Any]:
     """Isolated mode: each sub-module of layer i fed the built-in's own input of it — the input norm its layer input,
     the attention the built-in's normed input, the post-attention norm the built-in's residual (input + attention,
     added in the dtype as the layer does), the MLP the built-in's MLP input (routed to the built-in's experts), the
@@ -240,11 +241,12 @@ def isolated_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], An
                 "mlp": y, "output": (mid + ref("mlp")).astype(jdt)}
 
     pairs = {site: (sites[(i, site)], got) for site, got in blocks(dtype).items()}
-    return _judge(pairs, i, dtype, "isolated", lambda: blocks("float32"))
+    return _judge(pairs, i, dtype, "isolated", lambda: blocks("float32"), rules)
 
 
 def free_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], dtype: str,
-                  conv_kernel: str = "torch", jit: bool = False) -> list[tuple[dict[str, Any], int | None]]:
+                  conv_kernel: str = "torch", jit: bool = False, rules: Any = None
+                  ) -> list[tuple[dict[str, Any], int | None]]:
     """Free mode: the JAX layers chained from the built-in's layer-0 input, each fed the previous JAX layer's output
     and routed by its own router (nothing forced), judged at every layer under the rules of free replay; per layer
     ({site: Verdict}, routing flips or None)."""
@@ -265,13 +267,13 @@ def free_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], 
         flips = None
         if spec.moe:
             flips = routing_flips(np.asarray(sites[(i, "mlp.gate.topk_idx")]), pts["mlp.gate.topk_idx"])
-        out.append((_judge(pairs, i, dtype, "free"), flips))
+        out.append((_judge(pairs, i, dtype, "free", rules=rules), flips))
         x = y
     return out
 
 
 def grad_verdicts(model: Any, ids: Any, sites: dict[tuple[int, str], Any], i: int, dtype: str, seed: int = 0,
-                  conv_kernel: str = "torch") -> dict[str, SiteResult]:
+                  conv_kernel: str = "torch", rules: Any = None) -> dict[str, SiteResult]:
     """Backward, layer mode: layer i of the built-in (torch autograd) and of the JAX reference (`jax.vjp` of
     `decoder_layer`, routed to the built-in's experts) on the built-in's layer input and one seeded cotangent; their
     gradients of the layer input (`backward/input`) and of every trainable parameter (`backward/grad.<param>`),
@@ -335,7 +337,7 @@ def grad_verdicts(model: Any, ids: Any, sites: dict[tuple[int, str], Any], i: in
         if name.endswith("expert_bias"):  # a buffer (e_score_correction_bias): selection only, not trained
             continue
         pairs[f"backward/grad.{name}"] = (want, test)
-    return _judge(pairs, i, dtype, "layer")  # the sites' `backward/` prefix picks the gradient rules
+    return _judge(pairs, i, dtype, "layer", rules=rules)  # the sites' `backward/` prefix picks the gradient rules
 
 
 # the points a layer kind carries from one step to the next (`decoder_layer`'s state argument)
@@ -344,7 +346,7 @@ STATE_POINTS = {"kda": ("self_attn.recurrent_state", "self_attn.conv_state"),
 
 
 def decode_verdicts(state_dict: Any, cfg: Any, steps: list[dict[tuple[int, str], Any]], i: int, dtype: str,
-                    conv_kernel: str = "torch") -> list[dict[str, SiteResult]]:
+                    conv_kernel: str = "torch", rules: Any = None) -> list[dict[str, SiteResult]]:
     """Decode, layer mode: per decode step k >= 1, {site: SiteResult} of the reference layer i fed the built-in's
     step-k layer input (routed to the built-in's step-k experts) and continuing from its *own* state — its KDA
     recurrent and conv state, or its MLA key/value cache — after its prefill on the built-in's prefill input and its
@@ -371,5 +373,5 @@ def decode_verdicts(state_dict: Any, cfg: Any, steps: list[dict[tuple[int, str],
             if "attention.kv_b_proj" in pairs:  # the built-in expands its whole cached latent at every step
                 ref, test = pairs["attention.kv_b_proj"]  # [B, 1, S, ·]; the JAX point is the new token's [B, 1, ·]
                 pairs["attention.kv_b_proj"] = (ref[..., -x.shape[1]:, :], test)
-            out.append(_judge(pairs, i, dtype, "layer"))
+            out.append(_judge(pairs, i, dtype, "layer", rules=rules))
     return out

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from parity.replay.session import BUNDLED_DUMPS, dump_identity, target_info
+from parity.pytest_plugin.kimi import is_kimi, kimi_units, run_kimi_unit  # noqa: F401 (run_kimi_unit: parity/test_points.py)
 RECORD_KEY = "parity_record"
 # `layer` works for every target; `isolated` needs the target's `isolated` capability (external ports often lack it),
 # so a run of both is asked for: `--parity-mode layer,isolated` (CI: tests/test_parity_modes.py)
@@ -121,9 +122,19 @@ def selected_dumps(config: pytest.Config) -> list[DumpEntry]:
                 paths.append(p)
     else:
         paths = sorted(BUNDLED_DUMPS.glob("*.h5"))
+    paths = [p for p in paths if not is_kimi(p)]  # Kimi Linear dumps: `kimi_dumps`, tests of their own
     modes = parity_modes(config)
     return [DumpEntry(p, lab, m, lab if len(modes) == 1 else f"{lab}/{m}")
             for p, lab in zip(paths, dump_labels(paths)) for m in modes]
+
+
+def kimi_dumps(config: pytest.Config) -> list[Path]:
+    """The Kimi Linear dumps of the run (`parity.pytest_plugin.kimi`): those among --parity-dump, else the bundled
+    ones (`dumps/kimi/*.h5`, `parity.golden.KIMI_GOLDEN`: a folder of their own, so that what reads every Ling3
+    golden in `dumps/*.h5` does not meet them)."""
+    given = config.getoption("--parity-dump")
+    paths = list(dict.fromkeys(Path(p) for p in given)) if given else sorted((BUNDLED_DUMPS / "kimi").glob("*.h5"))
+    return [p for p in paths if is_kimi(p)]
 
 
 class ParitySession:
@@ -389,7 +400,7 @@ def _up_front(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--parity-dump {p}: given twice (also as {seen[p.resolve()]})")
         seen[p.resolve()] = str(p)
     entries = selected_dumps(config)
-    if not entries:
+    if not entries and not kimi_dumps(config):
         raise pytest.UsageError(f"no dump to replay: no --parity-dump and no *.h5 in {BUNDLED_DUMPS}")
     build = not (hasattr(config, "workerinput") or getattr(config.option, "dist", "no") != "no"
                  or config.getoption("collectonly"))
@@ -452,6 +463,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "parity_points" in metafunc.fixturenames:
         metafunc.parametrize("parity_dump,parity_points,parity_layer", parity_params(metafunc.config))
+    if "parity_kimi_unit" in metafunc.fixturenames:
+        config = metafunc.config
+        paths = kimi_dumps(config)
+        layers = _parse_layers(config.getoption("--parity-layers"))
+        units = [u for u in kimi_units(paths, dump_labels(paths), parity_modes(config))
+                 if layers is None or u.values[0].layer in layers]
+        metafunc.parametrize("parity_kimi_unit", units)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -8,8 +8,9 @@ ascending order per token — only the set carries meaning, DESIGN §4 — the e
 A Kimi dump is a file of the dump schema (`parity.dumpfile`, DESIGN §4) holding those sites as prefill points (and
 decode points, one step per token decoded through the built-in's cache, `capture_steps`), with
 `family: kimi_linear` among its root attributes and the built-in's config as `config_json`. `pytest parity` replays
-Ling3 dumps only and refuses a Kimi dump in one line; `tools/kimi_check.py CKPT --from-dump DUMP` judges the JAX
-reference against it (`parity.jax_kimi.check`).
+it by that attr (`parity.pytest_plugin.kimi`: one test per dump, mode and layer; the bundled ones are in dumps/kimi/),
+as `tools/kimi_check.py CKPT --from-dump DUMP` judges the JAX reference against it (`parity.jax_kimi.check`); Ling3's
+replay machinery (`DumpReader.config`) refuses it in one line.
 """
 
 from __future__ import annotations

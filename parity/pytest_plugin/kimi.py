@@ -1,0 +1,167 @@
+"""Kimi Linear dumps in `pytest parity` (issue 34): one test per (dump, mode, layer), judged as `tools/kimi_check.py
+--from-dump` judges them (`parity.jax_kimi.check`: every site of `parity.model.kimi_family.SITES` the layer has, its
+decode steps in layer mode), under the family's rules (`kimi_family.rules()`, with `--parity-tolerances` /
+`--parity-tol` merged over them).
+
+A dump is a Kimi one by its root attr `family` (`parity.torch_ref.kimi_dump`); the bundled ones are
+`parity.golden.KIMI_GOLDEN`. Ids: `test_kimi_layer[<dump>/<mode>/layer_<i>]` (`pytest parity -k layer_3` selects
+layer 3 of every dump). Modes: `--parity-mode`'s `layer`, `isolated` and `free` (`forced` is layer mode for Kimi: its
+layer mode already routes to the built-in's experts). The checkpoint: `--parity-ckpt`, else the bundled one with the
+dump's fingerprint. `--parity-target package.module:Class` judges a Kimi target (`parity.targets.kimi`) in layer
+mode. Kimi's verdicts are not written to report.json (Ling3's point records); a failing test prints every failing
+site's message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+KIMI_MODES = ("layer", "isolated", "free")
+
+
+@dataclass(frozen=True)
+class KimiUnit:
+    """One test: a Kimi dump's layer in one mode."""
+
+    path: Path
+    label: str
+    mode: str
+    layer: int
+
+
+def dump_family(path: Path) -> str | None:
+    """The dump's root attr `family` (None for a Ling3 dump, which records none; None too for a file that is not a
+    readable dump: the Ling3 replay then reports it in its own one line)."""
+    try:
+        import h5py
+
+        with h5py.File(path, "r") as f:
+            fam = f.attrs.get("family")
+    except (OSError, ValueError):
+        return None
+    if fam is None:
+        return None
+    return fam.decode() if isinstance(fam, bytes) else str(fam)
+
+
+def is_kimi(path: Path) -> bool:
+    from parity.model.kimi_family import FAMILY
+
+    return dump_family(path) == FAMILY
+
+
+def kimi_units(paths: list[Path], labels: list[str], modes: list[str]) -> list[Any]:
+    """pytest params (id `<label>[/<mode>]/layer_<i>`) of every layer of every Kimi dump in every Kimi mode asked."""
+    import json
+
+    import h5py
+
+    kimi_modes = list(dict.fromkeys("layer" if m == "forced" else m for m in modes if m in (*KIMI_MODES, "forced")))
+    out = []
+    for path, label in zip(paths, labels):
+        with h5py.File(path, "r") as f:
+            cfg = f.attrs.get("config_json")
+            cfg = json.loads(cfg) if isinstance(cfg, (str, bytes)) else {}
+        n = int(cfg.get("num_hidden_layers", 0))
+        for mode in kimi_modes:
+            for i in range(n):
+                run = label if len(kimi_modes) == 1 else f"{label}/{mode}"
+                out.append(pytest.param(KimiUnit(path, label, mode, i), id=f"{run}/layer_{i}"))
+    return out
+
+
+class KimiSession:
+    """Per-process cache: each Kimi dump's sites and the built-in's weights (read once), the rules."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self._dumps: dict[Path, tuple] = {}
+        self._free: dict[Path, list] = {}
+        self._rules = None
+
+    def rules(self):
+        from parity.model import kimi_family
+        from parity.numerics.tolerances import load_rules, parse_overrides
+
+        if self._rules is None:
+            opt = self.config.getoption
+            rules = kimi_family.rules()
+            if opt("--parity-tolerances"):
+                rules = rules.merged(load_rules(opt("--parity-tolerances")))
+            if opt("--parity-tol"):
+                rules = rules.merged(parse_overrides(opt("--parity-tol"), source="--parity-tol"))
+            self._rules = rules
+        return self._rules
+
+    def dump(self, path: Path) -> tuple:
+        """(steps, dtype, state_dict, config) of a Kimi dump; a DumpError / CheckpointError names what is wrong."""
+        if path not in self._dumps:
+            from parity.dumpfile import DumpReader
+            from parity.replay.session import find_checkpoint
+            from parity.torch_ref.kimi_ckpt import load_kimi_model
+            from parity.torch_ref.kimi_dump import read_kimi_dump
+
+            with DumpReader(path) as d:
+                fp = d.meta.get("checkpoint_fingerprint", "")
+            ckpt = find_checkpoint(fp, self.config.getoption("--parity-ckpt"))
+            steps, _, _ = read_kimi_dump(path, ckpt)
+            dtype = "bfloat16" if str(steps[0][(0, "input")].dtype) == "bfloat16" else "float32"
+            model = load_kimi_model(ckpt, dtype)
+            self._dumps[path] = (steps, dtype, model.state_dict(), model.config)
+        return self._dumps[path]
+
+    def verdicts(self, unit: KimiUnit) -> dict[str, Any]:
+        """{site: SiteResult} of the unit (its decode steps' sites as `decode k/<site>` in layer mode)."""
+        from parity.jax_kimi.check import decode_verdicts, free_verdicts, isolated_verdicts, layer_verdicts
+
+        steps, dtype, sd, cfg = self.dump(unit.path)
+        rules, i = self.rules(), unit.layer
+        target = self._target()
+        if target is not None and unit.mode != "layer":
+            pytest.skip(f"--parity-target judges Kimi layer mode only (a target's layer_forward); {unit.mode} mode "
+                        "runs the reference's sub-modules")
+        if unit.mode == "layer":
+            if target is not None:
+                target.build(cfg, dtype)
+            out = layer_verdicts(sd, cfg, steps[0], i, dtype, jit=True, target=target, rules=rules)[0]
+            if target is None:
+                for k, step in enumerate(decode_verdicts(sd, cfg, steps, i, dtype, rules=rules), start=1):
+                    out = out | {f"decode {k}/{s}": r for s, r in step.items()}
+            return out
+        if unit.mode == "isolated":
+            return isolated_verdicts(sd, cfg, steps[0], i, dtype, rules=rules)
+        if unit.path not in self._free:
+            self._free[unit.path] = free_verdicts(sd, cfg, steps[0], dtype, jit=True, rules=rules)
+        return self._free[unit.path][i][0]
+
+    def _target(self):
+        name = self.config.getoption("--parity-target")
+        if not name or name == "reference":
+            return None
+        from parity.targets import resolve
+
+        return resolve(name)()
+
+
+def run_kimi_unit(request: pytest.FixtureRequest, unit: KimiUnit) -> None:
+    """The test body: fail with every failing site's message (a `variant` passes, as in a replay); a dump or
+    checkpoint that cannot be read fails with its one line."""
+    from parity.errors import ParityError
+
+    sess = request.config.stash.setdefault(_KEY, KimiSession(request.config))
+    try:
+        verdicts = sess.verdicts(unit)
+    except ParityError as e:
+        pytest.fail(f"{unit.path}: {e}", pytrace=False)
+    failed = {s: r for s, r in verdicts.items() if r.status in ("fail", "not provided")}
+    if failed:
+        pytest.fail("\n\n".join(f"{unit.label} ({unit.mode} mode) layer {unit.layer} {s}: " +
+                                (r.message() if r.status == "fail" else "not provided by the target")
+                                for s, r in failed.items()), pytrace=False)
+
+
+_KEY = pytest.StashKey[KimiSession]()
