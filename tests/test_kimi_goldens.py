@@ -103,3 +103,36 @@ def test_catalogue_bug_fails_first_at_its_site(name, golden, monkeypatch):
     order = [s.site for s in SITES if s.site in v]
     failing = [s for s in order if v[s].status == "fail"]
     assert failing and failing[0] == want, f"{name} ({golden.dtype}): first failing {failing[:3]}, expected {want}"
+
+
+def test_dump_hf_writes_the_same_kimi_dump(tmp_path, monkeypatch, capsys):
+    """`tools/dump_hf.py` on a Kimi Linear checkpoint (config.json `model_type: kimi_linear`) dumps transformers'
+    built-in with the same capture as `tools/kimi_check.py --dump`: the bf16 golden's arguments give the golden."""
+    import h5py
+
+    from parity.cli.dump_hf import main
+
+    golden = next(g for g in KIMI_GOLDEN if g.dtype == "bfloat16")
+    out = tmp_path / "k.h5"
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "0")
+    assert main(["dumps/ckpt/kimi-tiny", "--out", str(out), "--dtype", "bf16", "--prompt-len", "70",
+                 "--decode-steps", "2", "--seed", "0"]) == 0
+    assert "replay: pytest parity --parity-dump" in capsys.readouterr().out
+    bundled = KIMI_DUMPS / golden.file
+    assert structure_differences(dump_structure(bundled), dump_structure(out)) == []
+    if machine_kind() == KIMI_MACHINE:
+        with h5py.File(bundled, "r") as a, h5py.File(out, "r") as b:
+            names: list[str] = []
+            a.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+            assert all(np.array_equal(a[n][()], b[n][()]) for n in names)
+
+
+def test_dump_hf_refuses_ling3_only_options_for_kimi_in_one_line(tmp_path, capsys):
+    from parity.cli.dump_hf import main
+
+    rc = main([str(ROOT / "dumps" / "ckpt" / "kimi-tiny"), "--out", str(tmp_path / "k.h5"), "--grads", "--layers", "0"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "not with --layers, --grads" in err and "tools/kimi_check.py --grads" in err
+    assert not (tmp_path / "k.h5").exists()

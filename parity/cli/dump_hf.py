@@ -234,6 +234,69 @@ def inspect_lines(path: str) -> list[str]:
                 f"  kernels: {kernels_line(d.kernels)}"]
 
 
+def _model_type(ckpt: Path) -> str | None:
+    """config.json's `model_type` (None when unreadable: the Ling3 path then reports the config in its own line)."""
+    import json
+
+    try:
+        return json.loads((ckpt / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+# The options a Kimi Linear dump takes (issue 34: transformers' built-in `KimiLinearForCausalLM`, its sites as
+# `parity.model.kimi_family.SITES` names them); the others are Ling3's (its runtimes, kernels, prompts, --grads).
+KIMI_OPTIONS = ("ckpt", "out", "dtype", "prompt_len", "decode_steps", "seed", "force", "no_progress", "ids",
+                "runtime", "write_thread", "compression", "inspect")
+# set by the parser pair --cpu-kernels / --no-cpu-kernels (its own default): the built-in runs its torch fallbacks
+KIMI_IGNORED = ("cpu_kernels",)
+KIMI_PROMPT_LEN = 70  # without --prompt-len / --ids, as tools/kimi_check.py: two chunks of the chunked KDA
+
+
+def _dump_kimi(parser: argparse.ArgumentParser, args, ckpt: Path, outs: list[str]) -> int:
+    """A Kimi Linear checkpoint (config.json `model_type: kimi_linear`): the built-in's sites of one prompt — the
+    prefill, then `--decode-steps` tokens one at a time through its cache — written per dtype as a Kimi dump
+    (`parity.torch_ref.kimi_dump`; the same capture and file as `tools/kimi_check.py --dump`: the same --seed and
+    prompt length give the same ids and the same dump). The prompt: `--ids` (one sequence), else `--prompt-len`
+    (default 70) seeded random ids, whose decode tokens are seeded too (teacher-forced, not the greedy argmax)."""
+    import torch
+
+    from parity.torch_ref.kimi_ckpt import load_kimi_model
+    from parity.torch_ref.kimi_dump import capture_steps, write_kimi_dump
+
+    given = [a for a in vars(args) if a not in KIMI_OPTIONS + KIMI_IGNORED and getattr(args, a) != parser.get_default(a)]
+    if given:
+        names = ", ".join("--" + a.replace("_", "-") for a in given)
+        raise ParityError(f"{ckpt}: a Kimi Linear checkpoint (model_type kimi_linear) is dumped from transformers' "
+                          f"built-in with --out, --dtype, --prompt-len or --ids, --decode-steps, --seed, --force; "
+                          f"not with {names} (the backward runs live: tools/kimi_check.py --grads)")
+    if args.runtime != "remote":
+        raise ParityError("--runtime native: a Kimi Linear checkpoint always runs transformers' built-in "
+                          "KimiLinearForCausalLM (no checkpoint code); leave --runtime out")
+    if args.ids and len(args.ids) > 1:
+        raise ParityError(f"--ids given {len(args.ids)} times: a Kimi Linear dump holds one prompt")
+    for out, dtype in zip(outs, args.dtype):
+        model = load_kimi_model(ckpt, dtype)
+        vocab = model.config.vocab_size
+        if args.ids:
+            prompt = parse_ids(args.ids[0])
+            bad = [x for x in prompt if not 0 <= x < vocab]
+            if bad or not prompt:
+                raise ParityError(f"--ids: {bad[:5] or 'no ids'}: expected ids in the vocabulary 0..{vocab - 1}")
+            T = len(prompt)
+            tail = torch.randint(3, vocab, (args.decode_steps,), generator=torch.Generator().manual_seed(args.seed))
+            ids = torch.tensor([prompt + tail.tolist()])
+        else:
+            T = args.prompt_len or KIMI_PROMPT_LEN
+            ids = torch.randint(3, vocab, (1, T + args.decode_steps), generator=torch.Generator().manual_seed(args.seed))
+        steps = capture_steps(model, ids, T)
+        write_kimi_dump(out, model, ckpt, ids, steps, seed=args.seed, force=args.force)
+        print(f"wrote {out}: Kimi Linear ({type(model).__name__}, transformers' built-in), {dtype}, "
+              f"{model.config.num_hidden_layers} layers, prompt {T} tokens + {args.decode_steps} decode steps; "
+              f"replay: pytest parity --parity-dump {out} --parity-ckpt {ckpt}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -253,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         # everything that can be refused is refused before the model loads (seconds to minutes)
         outs = [check_output_path(o, force=args.force) for o in dtype_outputs(args.out, args.dtype)]
         ckpt = Path(args.ckpt)
+        if _model_type(ckpt) == "kimi_linear":
+            return _dump_kimi(parser, args, ckpt, outs)
         cfg = Ling3Config.from_pretrained_dir(ckpt, strict=False)
         layers = parse_layers(args.layers)
         bad = [i for i in layers or () if i >= cfg.num_hidden_layers]
