@@ -136,3 +136,17 @@ def test_dump_hf_refuses_ling3_only_options_for_kimi_in_one_line(tmp_path, capsy
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert "not with --layers, --grads" in err and "tools/kimi_check.py --grads" in err
     assert not (tmp_path / "k.h5").exists()
+
+
+def test_a_bf16_checkpoint_dumped_in_fp32_replays_clean(tmp_path):
+    """A bf16 checkpoint dumped in fp32 (the built-in upcasts its weights) is replayed with its weights kept bf16
+    (`KimiSession.dump`: the narrower dtype; exact in fp32, half the memory — what lets the real-shape preset's fp32
+    dump replay on 23 GiB): every layer passes in layer mode."""
+    from parity.cli.dump_hf import main
+    from parity.torch_ref.kimi_ckpt import make_kimi_checkpoint
+
+    ckpt = make_kimi_checkpoint(tmp_path / "ckpt", "tiny", seed=3, dtype="bf16")
+    out = tmp_path / "k32.h5"
+    assert main([str(ckpt), "--out", str(out), "--dtype", "fp32", "--prompt-len", "40", "--decode-steps", "1"]) == 0
+    r = _pytest("--parity-dump", str(out), "--parity-ckpt", str(ckpt))
+    assert r.returncode == 0 and "4 passed" in r.stdout, r.stdout[-3000:]
