@@ -131,10 +131,11 @@ def test_dump_hf_writes_the_same_kimi_dump(tmp_path, monkeypatch, capsys):
 def test_dump_hf_refuses_ling3_only_options_for_kimi_in_one_line(tmp_path, capsys):
     from parity.cli.dump_hf import main
 
-    rc = main([str(ROOT / "dumps" / "ckpt" / "kimi-tiny"), "--out", str(tmp_path / "k.h5"), "--grads", "--layers", "0"])
+    rc = main([str(ROOT / "dumps" / "ckpt" / "kimi-tiny"), "--out", str(tmp_path / "k.h5"), "--layers", "0", "--sites",
+               "mlp"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1, err
-    assert "not with --layers, --grads" in err and "tools/kimi_check.py --grads" in err
+    assert "not with --layers, --sites" in err
     assert not (tmp_path / "k.h5").exists()
 
 
@@ -150,3 +151,37 @@ def test_a_bf16_checkpoint_dumped_in_fp32_replays_clean(tmp_path):
     assert main([str(ckpt), "--out", str(out), "--dtype", "fp32", "--prompt-len", "40", "--decode-steps", "1"]) == 0
     r = _pytest("--parity-dump", str(out), "--parity-ckpt", str(ckpt))
     assert r.returncode == 0 and "4 passed" in r.stdout, r.stdout[-3000:]
+
+
+def test_a_grads_dump_replays_its_backward_and_a_backward_only_bug_fails_there(tmp_path, monkeypatch):
+    """`tools/dump_hf.py --grads` on a Kimi checkpoint adds one training step's backward (the next-token loss through
+    every layer, `kimi_dump.capture_backward`); `pytest parity` judges each layer's VJP fed the dumped dL/d(output)
+    against the dumped input and parameter gradients (in-process here, as the plugin's session does). Every gradient
+    passes; with the decay gate detached from the graph (the forward bit-identical) the gate's parameter gradients
+    fail and no forward site does."""
+    import jax
+
+    from parity.cli.dump_hf import main
+    from parity.jax_kimi import kda
+    from parity.pytest_plugin.kimi import KimiSession, KimiUnit
+
+    out = tmp_path / "kg.h5"
+    assert main([str(ROOT / "dumps" / "ckpt" / "kimi-tiny"), "--out", str(out), "--dtype", "bf16", "--prompt-len",
+                 "40", "--decode-steps", "0", "--grads"]) == 0
+
+    class Config:
+        def getoption(self, name):
+            return {"--parity-ckpt": str(ROOT / "dumps" / "ckpt" / "kimi-tiny")}.get(name)
+
+    def verdicts():
+        return KimiSession(Config()).verdicts(KimiUnit(out, "kg", "layer", 0))  # layer 0: KDA + dense
+
+    clean = verdicts()
+    backward = {s for s in clean if s.startswith("backward/")}
+    assert {"backward/input", "backward/grad.self_attn.A_log", "backward/grad.mlp.down_proj"} <= backward, backward
+    assert all(r.status == "pass" for r in clean.values()), [r.message() for r in clean.values() if r.status != "pass"]
+    orig = kda.forget_gate
+    monkeypatch.setattr(kda, "forget_gate", lambda p, x, spec: jax.lax.stop_gradient(orig(p, x, spec)))
+    failed = {s for s, r in verdicts().items() if r.status == "fail"}
+    assert {"backward/grad.self_attn.f_a_proj", "backward/grad.self_attn.A_log"} <= failed, failed
+    assert all(s.startswith("backward/") for s in failed), failed  # the forward is untouched

@@ -247,7 +247,7 @@ def _model_type(ckpt: Path) -> str | None:
 # The options a Kimi Linear dump takes (issue 34: transformers' built-in `KimiLinearForCausalLM`, its sites as
 # `parity.model.kimi_family.SITES` names them); the others are Ling3's (its runtimes, kernels, prompts, --grads).
 KIMI_OPTIONS = ("ckpt", "out", "dtype", "prompt_len", "decode_steps", "seed", "force", "no_progress", "ids",
-                "runtime", "write_thread", "compression", "inspect")
+                "runtime", "write_thread", "compression", "inspect", "grads")
 # set by the parser pair --cpu-kernels / --no-cpu-kernels (its own default): the built-in runs its torch fallbacks
 KIMI_IGNORED = ("cpu_kernels",)
 KIMI_PROMPT_LEN = 70  # without --prompt-len / --ids, as tools/kimi_check.py: two chunks of the chunked KDA
@@ -255,21 +255,22 @@ KIMI_PROMPT_LEN = 70  # without --prompt-len / --ids, as tools/kimi_check.py: tw
 
 def _dump_kimi(parser: argparse.ArgumentParser, args, ckpt: Path, outs: list[str]) -> int:
     """A Kimi Linear checkpoint (config.json `model_type: kimi_linear`): the built-in's sites of one prompt — the
-    prefill, then `--decode-steps` tokens one at a time through its cache — written per dtype as a Kimi dump
+    prefill, then `--decode-steps` tokens one at a time through its cache, and with `--grads` one training step's
+    backward on the prompt (`kimi_dump.capture_backward`) — written per dtype as a Kimi dump
     (`parity.torch_ref.kimi_dump`; the same capture and file as `tools/kimi_check.py --dump`: the same --seed and
     prompt length give the same ids and the same dump). The prompt: `--ids` (one sequence), else `--prompt-len`
     (default 70) seeded random ids, whose decode tokens are seeded too (teacher-forced, not the greedy argmax)."""
     import torch
 
     from parity.torch_ref.kimi_ckpt import load_kimi_model
-    from parity.torch_ref.kimi_dump import capture_steps, write_kimi_dump
+    from parity.torch_ref.kimi_dump import capture_backward, capture_steps, write_kimi_dump
 
     given = [a for a in vars(args) if a not in KIMI_OPTIONS + KIMI_IGNORED and getattr(args, a) != parser.get_default(a)]
     if given:
         names = ", ".join("--" + a.replace("_", "-") for a in given)
         raise ParityError(f"{ckpt}: a Kimi Linear checkpoint (model_type kimi_linear) is dumped from transformers' "
-                          f"built-in with --out, --dtype, --prompt-len or --ids, --decode-steps, --seed, --force; "
-                          f"not with {names} (the backward runs live: tools/kimi_check.py --grads)")
+                          f"built-in with --out, --dtype, --prompt-len or --ids, --decode-steps, --seed, --grads, "
+                          f"--force; not with {names}")
     if args.runtime != "remote":
         raise ParityError("--runtime native: a Kimi Linear checkpoint always runs transformers' built-in "
                           "KimiLinearForCausalLM (no checkpoint code); leave --runtime out")
@@ -289,8 +290,11 @@ def _dump_kimi(parser: argparse.ArgumentParser, args, ckpt: Path, outs: list[str
         else:
             T = args.prompt_len or KIMI_PROMPT_LEN
             ids = torch.randint(3, vocab, (1, T + args.decode_steps), generator=torch.Generator().manual_seed(args.seed))
+        if args.grads and T < 2:
+            raise ParityError(f"--grads: a prompt of {T} token has no next-token target; the loss needs at least 2")
         steps = capture_steps(model, ids, T)
-        write_kimi_dump(out, model, ckpt, ids, steps, seed=args.seed, force=args.force)
+        backward = capture_backward(model, ids[:, :T]) if args.grads else None
+        write_kimi_dump(out, model, ckpt, ids, steps, seed=args.seed, force=args.force, backward=backward)
         print(f"wrote {out}: Kimi Linear ({type(model).__name__}, transformers' built-in), {dtype}, "
               f"{model.config.num_hidden_layers} layers, prompt {T} tokens + {args.decode_steps} decode steps; "
               f"replay: pytest parity --parity-dump {out} --parity-ckpt {ckpt}", flush=True)

@@ -283,13 +283,7 @@ def grad_verdicts(model: Any, ids: Any, sites: dict[tuple[int, str], Any], i: in
     captured one, so it gets the model's causal mask: called alone, its MLA would attend to every token), and its
     parameter gradients are put in the JAX layout by the same reader as its weights (`layer_params`: transposes,
     expert stacks), so both sides are compared leaf by leaf."""
-    import jax
-    import jax.numpy as jnp
     import torch
-
-    from parity.jax_kimi.layer import decoder_layer
-    from parity.jax_kimi.spec import layer_spec
-    from parity.jax_kimi.weights import layer_params
 
     cfg = model.config
     layer = model.model.layers[i]
@@ -321,23 +315,55 @@ def grad_verdicts(model: Any, ids: Any, sites: dict[tuple[int, str], Any], i: in
              for n, t in [*layer.named_parameters(), *layer.named_buffers()]}
     model.zero_grad(set_to_none=True)
 
+    pairs = _grad_pairs(model.state_dict(), cfg, sites, i, dtype, cot, grads, x.grad, conv_kernel)
+    return _judge(pairs, i, dtype, "layer", rules=rules)  # the sites' `backward/` prefix picks the gradient rules
+
+
+def _grad_pairs(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], i: int, dtype: str, cot: Any,
+                grads: dict[str, Any], input_grad: Any, conv_kernel: str) -> dict[str, tuple[Any, Any]]:
+    """{"backward/input" | "backward/grad.<JAX param path>": (the built-in's gradient, the reference's)} of layer i:
+    the reference's `jax.vjp` of `decoder_layer` (routed to the built-in's experts) at the built-in's layer input,
+    fed the cotangent `cot`; `grads`: the built-in's parameter gradients by state-dict name (`model.layers.{i}.…`),
+    read into the JAX layout by the same reader as its weights (`layer_params`: transposes, expert stacks)."""
+    import jax
+    import jax.numpy as jnp
+
+    from parity.jax_kimi.layer import decoder_layer
+    from parity.jax_kimi.spec import layer_spec
+    from parity.jax_kimi.weights import layer_params
+
     spec = layer_spec(cfg, i, dtype, conv_kernel)
     jdt = spec.model.jdtype
-    p = layer_params(model.state_dict(), i, spec)
+    p = layer_params(state_dict, i, spec)
     xj = jnp.asarray(as_f32(sites[(i, "input")]), jdt)
     forced = _forced(sites, i, xj.shape)
     _, pullback = jax.vjp(lambda p, x: decoder_layer(p, x, spec, None, forced)[0], p, xj)
     dp, dx = pullback(jnp.asarray(as_f32(cot), jdt))
     ref_dp = layer_params(grads, i, spec)
-
-    pairs = {"backward/input": (x.grad, dx)}
+    pairs = {} if input_grad is None else {"backward/input": (input_grad, dx)}
     for (path, want), (_, test) in zip(jax.tree_util.tree_flatten_with_path(ref_dp)[0],
                                        jax.tree_util.tree_flatten_with_path(dp)[0]):
         name = ".".join(str(k.key) for k in path).replace("experts_", "experts.")
         if name.endswith("expert_bias"):  # a buffer (e_score_correction_bias): selection only, not trained
             continue
         pairs[f"backward/grad.{name}"] = (want, test)
-    return _judge(pairs, i, dtype, "layer", rules=rules)  # the sites' `backward/` prefix picks the gradient rules
+    return pairs
+
+
+def dumped_grad_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any],
+                         backward: dict[tuple[int, str], Any], i: int, dtype: str, conv_kernel: str = "torch",
+                         rules: Any = None) -> dict[str, SiteResult]:
+    """Backward, layer mode, from a Kimi dump's backward phase (`kimi_dump.capture_backward`: one training step's
+    loss, not `grad_verdicts`' seeded cotangent): layer i's VJP fed the dumped dL/d(output), its input and parameter
+    gradients judged as `grad_verdicts` judges them. A layer the dump has no backward for gives {}."""
+    if (i, "output") not in backward:
+        return {}
+    prefix = f"model.layers.{i}."
+    grads = {k: np.zeros(tuple(v.shape), np.float32) for k, v in state_dict.items() if k.startswith(prefix)}  # buffers
+    grads |= {prefix + name[len("grad."):]: a for (j, name), a in backward.items() if j == i and name.startswith("grad.")}
+    pairs = _grad_pairs(state_dict, cfg, sites, i, dtype, backward[(i, "output")], grads, backward.get((i, "input")),
+                        conv_kernel)
+    return _judge(pairs, i, dtype, "layer", rules=rules)
 
 
 # the points a layer kind carries from one step to the next (`decoder_layer`'s state argument)

@@ -103,7 +103,7 @@ class KimiSession:
             from parity.dumpfile import DumpReader
             from parity.replay.session import find_checkpoint
             from parity.torch_ref.kimi_ckpt import load_kimi_model
-            from parity.torch_ref.kimi_dump import read_kimi_dump
+            from parity.torch_ref.kimi_dump import read_kimi_backward, read_kimi_dump
 
             with DumpReader(path) as d:
                 fp = d.meta.get("checkpoint_fingerprint", "")
@@ -114,14 +114,16 @@ class KimiSession:
             # keeps its bf16 values (exact in fp32; the JAX layers upcast them where they are used) at half the memory
             # (the real-shape 48b-a3b preset: 5.4 instead of 10.8 GB, and a 1.8 G-parameter MoE layer's JAX params)
             model = load_kimi_model(ckpt, "bfloat16" if "bfloat16" in (dtype, _stored_dtype(ckpt)) else "float32")
-            self._dumps[path] = (steps, dtype, model.state_dict(), model.config)
+            self._dumps[path] = (steps, dtype, model.state_dict(), model.config, read_kimi_backward(path))
         return self._dumps[path]
 
     def verdicts(self, unit: KimiUnit) -> dict[str, Any]:
-        """{site: SiteResult} of the unit (its decode steps' sites as `decode k/<site>` in layer mode)."""
-        from parity.jax_kimi.check import decode_verdicts, free_verdicts, isolated_verdicts, layer_verdicts
+        """{site: SiteResult} of the unit (in layer mode its decode steps' sites as `decode k/<site>` and, in a dump
+        with a backward phase, its gradients as `backward/...`)."""
+        from parity.jax_kimi.check import (decode_verdicts, dumped_grad_verdicts, free_verdicts, isolated_verdicts,
+                                           layer_verdicts)
 
-        steps, dtype, sd, cfg = self.dump(unit.path)
+        steps, dtype, sd, cfg, backward = self.dump(unit.path)
         rules, i = self.rules(), unit.layer
         target = self._target()
         if target is not None and unit.mode != "layer":
@@ -134,6 +136,7 @@ class KimiSession:
             if target is None:
                 for k, step in enumerate(decode_verdicts(sd, cfg, steps, i, dtype, rules=rules), start=1):
                     out = out | {f"decode {k}/{s}": r for s, r in step.items()}
+                out = out | dumped_grad_verdicts(sd, cfg, steps[0], backward, i, dtype, rules=rules)
             return out
         if unit.mode == "isolated":
             return isolated_verdicts(sd, cfg, steps[0], i, dtype, rules=rules)

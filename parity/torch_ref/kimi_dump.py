@@ -69,6 +69,53 @@ def capture_steps(model: Any, ids: Any, prompt_len: int) -> list[dict[tuple[int,
     return steps
 
 
+def capture_backward(model: Any, ids: Any) -> dict[tuple[int, str], Any]:
+    """The built-in's backward of one training step on the prompt `ids` [1, T] (issue 34 item 2, `--grads`): the mean
+    next-token cross-entropy of its logits (fp32), back through every layer. Per decoder layer i:
+    (i, "output") = dL/d(its output), the cotangent a teacher-forced layer VJP is fed; (i, "input") = dL/d(its input);
+    (i, "grad.<name>") = dL/d(parameter `model.layers.{i}.<name>`) for every trainable parameter (the router's
+    `e_score_correction_bias` buffer only selects: left out). Ling3's `--grads` dumps hold the same quantities
+    (DESIGN §4 `backward` phase), there under Ling3's site names."""
+    import torch
+
+    outs: dict[int, Any] = {}
+    ins: dict[int, Any] = {}
+    hooks = []
+
+    def pre(i, m, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        if x.requires_grad:
+            x.retain_grad()
+        ins[i] = x
+
+    def post(i, m, args, kwargs, out):
+        o = out[0] if isinstance(out, tuple) else out
+        o.retain_grad()
+        outs[i] = o
+
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, kw, i=i: pre(i, m, a, kw), with_kwargs=True))
+        hooks.append(layer.register_forward_hook(lambda m, a, kw, o, i=i: post(i, m, a, kw, o), with_kwargs=True))
+    model.zero_grad(set_to_none=True)
+    try:
+        with torch.enable_grad():
+            logits = model(ids).logits.float()
+            loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+            loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    got: dict[tuple[int, str], Any] = {}
+    for i, layer in enumerate(model.model.layers):
+        got[(i, "output")] = outs[i].grad.detach().clone()
+        if ins[i].grad is not None:  # layer 0's input is the embedding's output: a leaf of the graph only if trained
+            got[(i, "input")] = ins[i].grad.detach().clone()
+        for name, t in layer.named_parameters():
+            got[(i, f"grad.{name}")] = (t.grad if t.grad is not None else torch.zeros_like(t)).detach().clone()
+    model.zero_grad(set_to_none=True)
+    return got
+
+
 def _numpy(t: Any) -> np.ndarray:
     """A torch tensor as numpy (`capture.to_numpy`: bf16 bit for bit as ml_dtypes'), ids as int32."""
     from parity.torch_ref.capture import to_numpy
@@ -78,9 +125,11 @@ def _numpy(t: Any) -> np.ndarray:
 
 
 def write_kimi_dump(path: str | Path, model: Any, ckpt_dir: str | Path, ids: Any,
-                    steps: list[dict[tuple[int, str], Any]], *, seed: int, force: bool = False) -> Path:
+                    steps: list[dict[tuple[int, str], Any]], *, seed: int, force: bool = False,
+                    backward: dict[tuple[int, str], Any] | None = None) -> Path:
     """Write `steps` (`capture_steps` of `model` on `ids` [1, T]: the prefill, then decode steps 1, 2, ...) as a Kimi
-    dump at `path` (module doc); an existing file is refused unless `force`. Returns the path."""
+    dump at `path` (module doc), and `backward` (`capture_backward`, optional) as its backward phase; an existing
+    file is refused unless `force`. Returns the path."""
     from parity.dumpfile import DumpWriter, fingerprint_checkpoint
     from parity.model.kimi_family import FAMILY
     from parity.model.points import Point
@@ -104,6 +153,8 @@ def write_kimi_dump(path: str | Path, model: Any, ckpt_dir: str | Path, ids: Any
             for (i, site), t in sorted(sites.items()):
                 w.write(Point("prefill" if k == 0 else "decode", k, i, site), _numpy(t),
                         io="input" if site.endswith(":in") else "output")
+        for (i, site), t in sorted((backward or {}).items()):
+            w.write(Point("backward", 0, i, site), _numpy(t), io="output")
     return Path(path)
 
 
@@ -123,3 +174,12 @@ def read_kimi_dump(path: str | Path, ckpt_dir: str | Path) -> tuple[list[dict[tu
                   if p.phase == ("prefill" if k == 0 else "decode") and p.step == k and p.layer is not None}
                  for k in range(1 + len(d.steps("decode")))]
         return steps, d.input_ids, d.prompt_len
+
+
+def read_kimi_backward(path: str | Path) -> dict[tuple[int, str], np.ndarray]:
+    """The backward phase of a Kimi dump ({(layer, "output" | "input" | "grad.<name>"): array}; empty without
+    `--grads`)."""
+    from parity.dumpfile import DumpReader
+
+    with DumpReader(path) as d:
+        return {(p.layer, p.site): d.read(p) for p in d.points() if p.phase == "backward" and p.layer is not None}
