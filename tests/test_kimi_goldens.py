@@ -16,9 +16,15 @@ from parity.golden import KIMI_DUMPS, KIMI_GOLDEN, KIMI_MACHINE, ROOT, dump_stru
     structure_differences
 
 
-def _pytest(*args: str) -> subprocess.CompletedProcess:
+def _pytest(*args: str, reports: Path | None = None) -> subprocess.CompletedProcess:
+    """`pytest parity -k kimi ARGS` in a subprocess, its reports under `reports` (default: a fresh temporary folder,
+    never the repository's reports/)."""
+    import tempfile
+
+    reports = reports or Path(tempfile.mkdtemp(prefix="kimi-reports-"))
     return subprocess.run([sys.executable, "-m", "pytest", "parity", "-p", "no:cacheprovider", "-n", "0", "-q",
-                           "-k", "kimi", *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                           "-k", "kimi", "--parity-report", str(reports), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
 
 
 def test_goldens_replay_clean_in_every_mode():
@@ -29,15 +35,24 @@ def test_goldens_replay_clean_in_every_mode():
 
 
 @pytest.mark.parametrize("golden", [g.file for g in KIMI_GOLDEN])
-def test_a_planted_bug_fails_at_its_site(golden):
+def test_a_planted_bug_fails_at_its_site(golden, tmp_path):
     """A SiLU between the low-rank gate projections (`parity.targets.kimi.KimiPlantedGateActivation`, a porting bug
-    issue 34 names): layer 0 (KDA) fails at `attention.gate`; layer 1 (MLA, untouched) passes."""
+    issue 34 names): layer 0 (KDA) fails at `attention.gate`; layer 1 (MLA, untouched) passes; the run's summary and
+    its `kimi_report.json` name layer 0's `attention.gate` as the first divergence."""
+    import json
+
+    label = golden.removesuffix(".h5")
     r = _pytest("--parity-dump", str(KIMI_DUMPS / golden), "--parity-target",
-                "parity.targets.kimi:KimiPlantedGateActivation", "-k", "layer_0 or layer_1")
+                "parity.targets.kimi:KimiPlantedGateActivation", "-k", "layer_0 or layer_1", reports=tmp_path)
     assert r.returncode == 1, r.stdout[-3000:]
     assert "1 failed, 1 passed" in r.stdout, r.stdout[-3000:]
-    assert f"{golden.removesuffix('.h5')} (layer mode) layer 0 attention.gate: Tensor-likes are not close!" in r.stdout, \
+    assert f"{label} (layer mode) layer 0 attention.gate: Tensor-likes are not close!" in r.stdout, r.stdout[-3000:]
+    assert f"{label} (Kimi Linear): FIRST DIVERGENCE layer mode, layer 0 attention.gate: max " in r.stdout, \
         r.stdout[-3000:]
+    rep = json.loads((tmp_path / label / "kimi_report.json").read_text())
+    fd = rep["first_divergence"]
+    assert (fd["layer"], fd["site"], fd["status"]) == (0, "attention.gate", "fail") and rep["counts"]["fail"] >= 1
+    assert all(p["status"] == "pass" for p in rep["points"] if p["layer"] == 1)
 
 
 def test_a_dump_without_its_checkpoint_is_one_line(tmp_path):

@@ -164,9 +164,74 @@ def _stored_dtype(ckpt: Path) -> str | None:
     return cfg.get("dtype") or cfg.get("torch_dtype")
 
 
+RECORD_KEY = "kimi_record"  # a test's user property: one JSON record per judged site (the controller collects them)
+
+
+def site_records(unit: KimiUnit, verdicts: dict[str, Any]) -> list[dict[str, Any]]:
+    """One record per judged site of the unit: where (dump, mode, layer, step, site), the status and the verdict's
+    numbers (greatest ULP after the rule's floor, its index and both values, rel-L2, bit-exact fraction)."""
+    out = []
+    for name, res in verdicts.items():
+        step, site = (int(name.split("/")[0].split()[1]), name.split("/", 1)[1]) if name.startswith("decode ") \
+            else (0, name)
+        v = res.verdict
+        rec = {"dump": unit.label, "mode": unit.mode, "layer": unit.layer, "step": step, "site": site,
+               "status": res.status}
+        if v is not None:
+            rec |= {"max_ulp": v.max_ulp, "worst_index": list(v.worst_index) if v.worst_index else None,
+                    "worst_ref": v.worst_ref, "worst_test": v.worst_test, "rel_l2": v.rel_l2,
+                    "frac_exact": v.frac_exact}
+        out.append(rec)
+    return out
+
+
+def _order(rec: dict[str, Any]) -> tuple:
+    """Execution order of a record: mode, then the prefill before the decode steps and the backward last, layer,
+    the site's place in `kimi_family.SITES`."""
+    from parity.model.kimi_family import SITES
+
+    names = [s.site for s in SITES]
+    site = rec["site"]
+    phase = 2 if site.startswith("backward/") else (1 if rec["step"] else 0)
+    where = names.index(site) if site in names else len(names)
+    return (KIMI_MODES.index(rec["mode"]) if rec["mode"] in KIMI_MODES else 9, phase, rec["step"], rec["layer"], where)
+
+
+def first_divergence(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first failing record in execution order (`_order`), or None."""
+    bad = sorted((r for r in records if r["status"] in ("fail", "not provided")), key=_order)
+    return bad[0] if bad else None
+
+
+def report(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """A Kimi dump's report (`kimi_report.json`): every judged site's record, their counts by status, the first
+    divergence."""
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    return {"family": "kimi_linear", "counts": counts, "first_divergence": first_divergence(records),
+            "points": sorted(records, key=_order)}
+
+
+def summary_line(label: str, rep: dict[str, Any]) -> str:
+    """One line for the terminal: the counts, and the first divergence where one is."""
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(rep["counts"].items()))
+    fd = rep["first_divergence"]
+    if fd is None:
+        return f"{label} (Kimi Linear): every judged site passes ({counts})"
+    at = f"layer {fd['layer']} {fd['site']}" + (f" at decode step {fd['step']}" if fd["step"] else "")
+    nums = ""
+    if fd.get("max_ulp") is not None:
+        nums = (f": max {fd['max_ulp']} ULP at index {tuple(fd['worst_index'] or ())} (ref {fd['worst_ref']:.6g}, "
+                f"test {fd['worst_test']:.6g}), rel-L2 {fd['rel_l2']:.3g}")
+    return f"{label} (Kimi Linear): FIRST DIVERGENCE {fd['mode']} mode, {at}{nums} ({counts})"
+
+
 def run_kimi_unit(request: pytest.FixtureRequest, unit: KimiUnit) -> None:
     """The test body: fail with every failing site's message (a `variant` passes, as in a replay); a dump or
-    checkpoint that cannot be read fails with its one line."""
+    checkpoint that cannot be read fails with its one line. Each site's record goes to the run's Kimi report."""
+    import json
+
     from parity.errors import ParityError
 
     sess = request.config.stash.setdefault(_KEY, KimiSession(request.config))
@@ -174,6 +239,8 @@ def run_kimi_unit(request: pytest.FixtureRequest, unit: KimiUnit) -> None:
         verdicts = sess.verdicts(unit)
     except ParityError as e:
         pytest.fail(f"{unit.path}: {e}", pytrace=False)
+    for rec in site_records(unit, verdicts):
+        request.node.user_properties.append((RECORD_KEY, json.dumps(rec, default=str)))
     failed = {s: r for s, r in verdicts.items() if r.status in ("fail", "not provided")}
     if failed:
         pytest.fail("\n\n".join(f"{unit.label} ({unit.mode} mode) layer {unit.layer} {s}: " +

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from parity.replay.session import BUNDLED_DUMPS, dump_identity, target_info
+from parity.pytest_plugin.kimi import RECORD_KEY as KIMI_RECORD_KEY
 from parity.pytest_plugin.kimi import is_kimi, kimi_units, run_kimi_unit  # noqa: F401 (run_kimi_unit: parity/test_points.py)
 RECORD_KEY = "parity_record"
 # `layer` works for every target; `isolated` needs the target's `isolated` capability (external ports often lack it),
@@ -583,9 +584,27 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         if key == RECORD_KEY:
             rec = json.loads(value)
             _RECORDS.setdefault(rec["dump"], []).append(rec)
+        elif key == KIMI_RECORD_KEY:
+            rec = json.loads(value)
+            _KIMI_RECORDS.setdefault(rec["dump"], []).append(rec)
 
 
 _RECORDS: dict[str, list[dict]] = {}
+_KIMI_RECORDS: dict[str, list[dict]] = {}  # Kimi Linear dumps' site records (`parity.pytest_plugin.kimi`)
+
+
+def _write_kimi_reports(config: pytest.Config) -> None:
+    """reports/<dump>/kimi_report.json per Kimi dump of the run, and its summary line for the terminal."""
+    from parity.pytest_plugin import kimi
+
+    lines = []
+    for label, recs in sorted(_KIMI_RECORDS.items()):
+        rep = kimi.report(recs)
+        out = Path(config.getoption("--parity-report")) / label
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kimi_report.json").write_text(json.dumps(rep, indent=1, default=str))
+        lines += [kimi.summary_line(label, rep), f"  report: {out}/kimi_report.json"]
+    config._parity_kimi_lines = lines
 
 
 def _is_worker(config) -> bool:
@@ -607,6 +626,8 @@ def _is_fed(rec: dict) -> bool:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
     config = session.config
+    if not _is_worker(config) and _KIMI_RECORDS:
+        _write_kimi_reports(config)
     if _is_worker(config) or not _RECORDS:
         return
     from parity.replay.coverage import not_tested_records
@@ -706,6 +727,11 @@ def _triage(built: list) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    kimi_lines = getattr(config, "_parity_kimi_lines", None)
+    if kimi_lines:
+        terminalreporter.section("ling3-parity: Kimi Linear")
+        for line in kimi_lines:
+            terminalreporter.write_line(line)
     built = getattr(config, "_parity_built", None)
     skipped = getattr(config, "_parity_report_skipped", None)
     if not built and not skipped:
