@@ -77,8 +77,8 @@ def native_bf16_backward(*arrays: jnp.ndarray) -> bool:
 
 def bf16_dot(eq: str, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     """bf16 × bf16 -> fp32 einsum without an upcast (a VJP's native-bf16 products, `BWD_NATIVE_BF16`). Only layouts
-    XLA:CPU runs natively: row-major products and the attention layouts of `mla._core_bf16` (tests/test_jax_ops.py
-    compiles each one used)."""
+    XLA:CPU runs natively: row-major products and the attention layouts of `mla._core_bf16` (each one used runs in
+    tests/test_jax_native_bwd.py)."""
     return jnp.einsum(eq, a, b, preferred_element_type=F32)
 
 
