@@ -14,6 +14,7 @@ import pytest
 
 from parity.golden import KIMI_DUMPS, KIMI_GOLDEN, KIMI_MACHINE, ROOT, dump_structure, machine_kind, \
     structure_differences
+from parity.targets.kimi import KimiReferenceTarget
 
 
 def _pytest(*args: str, reports: Path | None = None) -> subprocess.CompletedProcess:
@@ -53,6 +54,30 @@ def test_a_planted_bug_fails_at_its_site(golden, tmp_path):
     fd = rep["first_divergence"]
     assert (fd["layer"], fd["site"], fd["status"]) == (0, "attention.gate", "fail") and rep["counts"]["fail"] >= 1
     assert all(p["status"] == "pass" for p in rep["points"] if p["layer"] == 1)
+
+
+class PartialKimiTarget(KimiReferenceTarget):
+    """A port that returns only `attention` and `mlp` besides its output (as docs/porting.md's Kimi example does)."""
+
+    def layer_forward(self, i, state_dict, hidden, forced_idx):
+        out, pts = super().layer_forward(i, state_dict, hidden, forced_idx)
+        return out, {k: v for k, v in pts.items() if k in ("attention", "mlp")}
+
+
+def test_sites_a_target_does_not_return_are_not_provided_not_failed(tmp_path, monkeypatch):
+    """A target returning a few sites passes on the golden; the others are recorded `not provided` (as a Ling3 replay
+    skips a point its target does not produce), not failed."""
+    import json
+    import os
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent),
+                                                                   os.environ.get("PYTHONPATH")])))
+    r = _pytest("--parity-dump", str(KIMI_DUMPS / KIMI_GOLDEN[1].file), "--parity-target",
+                "test_kimi_goldens:PartialKimiTarget", "-k", "layer_0", reports=tmp_path)
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:]
+    rep = json.loads((tmp_path / KIMI_GOLDEN[1].file.removesuffix(".h5") / "kimi_report.json").read_text())
+    assert rep["counts"].get("not provided", 0) >= 5 and rep["counts"]["pass"] >= 3, rep["counts"]
+    assert rep["first_divergence"] is None
 
 
 def test_a_dump_without_its_checkpoint_is_one_line(tmp_path):

@@ -170,11 +170,6 @@ def _bf16_slab(stack: jnp.ndarray):
     return lambda e: jax.lax.bitcast_convert_type(bits[e], jnp.bfloat16)
 
 
-def _bf16_dot(eq: str, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
-    """bf16 x bf16 -> fp32 einsum without an upcast: the VJP's input-side products (`BWD_BF16_DOTS`)."""
-    return jnp.einsum(eq, a, b, preferred_element_type=F32)
-
-
 def _first_holding(sizes: tuple[int, ...], n):
     """Index of the first of the ascending static `sizes` that is >= n (traced n <= sizes[-1])."""
     return jnp.sum(jnp.asarray(sizes) < n).astype(jnp.int32)
@@ -342,11 +337,11 @@ def _routed_blocked_bwd(limit, Bs, Bb, res, dout):
         dyb = jnp.where(valid[:, None], jax.lax.dynamic_slice_in_dim(dys, r0, size), 0)
         if bf16_dots:  # bf16 x bf16 -> fp32 products on the bf16 weights
             wg, wu, wd = ws
-            gu = jnp.concatenate([_bf16_dot("nd,di->ni", xb, wg), _bf16_dot("nd,di->ni", xb, wu)], 1).astype(dt)
+            gu = jnp.concatenate([ops.bf16_dot("nd,di->ni", xb, wg), ops.bf16_dot("nd,di->ni", xb, wu)], 1).astype(dt)
             h, swiglu_vjp = jax.vjp(swiglu_split, gu)
-            y = _bf16_dot("ni,id->nd", h, wd).astype(dt)  # the rows' outputs, for dw
-            dgu = swiglu_vjp(_bf16_dot("nd,id->ni", dyb, wd).astype(dt))[0]  # [size, 2I] in dt
-            dxr = _bf16_dot("ni,di->nd", dgu[:, :I], wg) + _bf16_dot("ni,di->nd", dgu[:, I:], wu)
+            y = ops.bf16_dot("ni,id->nd", h, wd).astype(dt)  # the rows' outputs, for dw
+            dgu = swiglu_vjp(ops.bf16_dot("nd,id->ni", dyb, wd).astype(dt))[0]  # [size, 2I] in dt
+            dxr = ops.bf16_dot("ni,di->nd", dgu[:, :I], wg) + ops.bf16_dot("ni,di->nd", dgu[:, I:], wu)
             gut, gdt = ops.bf16_dot_wgrad(dgu, xb), ops.bf16_dot_wgrad(dyb.astype(dt), h)  # rows contracted
         else:
             wgu, wd = ws

@@ -417,6 +417,17 @@ def default_rules() -> RulesTable:
     return flatten(calibrated_sections())
 
 
+def with_user_rules(base: RulesTable, tolerances_file: str | None, overrides: list[str] | None) -> RulesTable:
+    """`base` with a tolerance file (`--parity-tolerances`) and then one-line overrides (`--parity-tol`) merged over
+    it, later ones winning."""
+    rules = base
+    if tolerances_file:
+        rules = rules.merged(load_rules(tolerances_file))
+    if overrides:
+        rules = rules.merged(parse_overrides(overrides, source="--parity-tol"))
+    return rules
+
+
 def _cli_value(field: str, text: str) -> Any:
     t = text.strip()
     if t.lower() in _OFF or field in ("compare_dtype", "compute"):

@@ -173,15 +173,10 @@ class ParitySession:
         return self._watchdog
 
     def rules(self):
-        from parity.numerics.tolerances import default_rules, load_rules, parse_overrides
+        from parity.numerics.tolerances import default_rules, with_user_rules
 
         opt = self.config.getoption
-        rules = default_rules()
-        if opt("--parity-tolerances"):
-            rules = rules.merged(load_rules(opt("--parity-tolerances")))
-        if opt("--parity-tol"):
-            rules = rules.merged(parse_overrides(opt("--parity-tol"), source="--parity-tol"))
-        return rules
+        return with_user_rules(default_rules(), opt("--parity-tolerances"), opt("--parity-tol"))
 
     def open_session(self, entry: DumpEntry):
         """Open (and build the target for) one dump's replay session; ParityError with one line when it cannot."""
