@@ -110,35 +110,60 @@ def _core_case(seed=1):
     return (q, k, vv), ct, allowed, d ** -0.5
 
 
-def check_core(monkeypatch, core=None) -> list[str]:
-    """The attention core's gradients with `BWD_NATIVE_BF16` on (or `core`, a stand-in for `mla._core_bf16`)
-    against plain AD of `mla._core`; the failures found."""
+def check_core(monkeypatch, core=None, block: int | None = None) -> list[str]:
+    """The attention core's gradients with `BWD_NATIVE_BF16` on (or `core`, a stand-in for `mla._core_bf16`), its
+    causal query blocks of `block` rows (`mla.causal_blocks`), against plain AD of `mla._core`; the failures found."""
     args, ct, allowed, scale = _core_case()
-    native = (lambda q, k, v: mla._core_bf16(q, k, v, allowed, scale)) if core is None else \
-        (lambda q, k, v: core(q, k, v, allowed, scale))
+    blocks = mla.causal_blocks(allowed.shape[0], allowed.shape[1], block)
+    native = (lambda q, k, v: mla._core_bf16(q, k, v, allowed, scale, blocks)) if core is None else \
+        (lambda q, k, v: core(q, k, v, allowed, scale, blocks))
     got = _vjp(native, args, ct, True, monkeypatch)
     ref = _vjp(lambda q, k, v: mla._core(q, k, v, allowed, scale, BF), args, ct, False, monkeypatch)
     return [f"d{n}: rel-L2 {_rel(a, b):.3g}" for n, a, b in zip("qkv", got, ref)
             if not _rel(a, b) <= NATIVE_BWD_VS_PLAIN_AD]
 
 
-def test_attention_core_vjp_matches_plain_autodiff(monkeypatch):
-    bad = check_core(monkeypatch)
+# one block; blocks that divide T = 96; blocks that do not (the last one shorter)
+BLOCKS = (None, 32, 40)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_attention_core_vjp_matches_plain_autodiff(monkeypatch, block):
+    bad = check_core(monkeypatch, block=block)
     assert not bad, "; ".join(bad)
 
 
+def test_causal_blocks_cover_each_query_once_and_its_keys():
+    for T, block in ((96, 32), (96, 40), (2048, 256), (96, None), (20, 32)):
+        blocks = mla.causal_blocks(T, T, block)
+        assert [b[0] for b in blocks] == [0] + [b[1] for b in blocks[:-1]] and blocks[-1][1] == T
+        assert all(s1 == t1 for _, t1, s1 in blocks)  # every key a query of the block may see, none after
+    assert mla.causal_blocks(4, 9, 2) == ((0, 4, 9),)  # not a square mask (a decode step): one block
+
+
 def _broken_core(bwd):
-    f = jax.custom_vjp(lambda q, k, v, allowed, scale: mla._core(q, k, v, allowed, scale, BF), nondiff_argnums=(4,))
+    f = jax.custom_vjp(lambda q, k, v, allowed, scale, blocks: mla._core(q, k, v, allowed, scale, BF),
+                       nondiff_argnums=(4, 5))
     f.defvjp(mla._core_bf16_fwd, bwd)
     return f
 
 
-def test_attention_check_fails_for_broken_vjps(monkeypatch):
-    no_scale = _broken_core(lambda scale, res, dout: mla._core_bf16_bwd(1.0, res, dout))
-    off = _broken_core(lambda scale, res, dout: (lambda g: (g[0] * 1.01,) + g[1:])(mla._core_bf16_bwd(scale, res, dout)))
-    bad_scale, bad_off = check_core(monkeypatch, no_scale), check_core(monkeypatch, off)
+@pytest.mark.parametrize("block", (None, 40))
+def test_attention_check_fails_for_broken_vjps(monkeypatch, block):
+    no_scale = _broken_core(lambda scale, blocks, res, dout: mla._core_bf16_bwd(1.0, blocks, res, dout))
+    off = _broken_core(lambda scale, blocks, res, dout: (lambda g: (g[0] * 1.01,) + g[1:])(
+        mla._core_bf16_bwd(scale, blocks, res, dout)))
+    bad_scale, bad_off = check_core(monkeypatch, no_scale, block), check_core(monkeypatch, off, block)
     assert {b[:2] for b in bad_scale} == {"dq", "dk"}, f"the softmax scale forgotten: {bad_scale}"
     assert [b[:2] for b in bad_off] == ["dq"], f"dq 1 % off: {bad_off}"
+
+
+def test_attention_check_fails_for_a_key_block_left_out(monkeypatch):
+    """A blocked VJP whose later query blocks stop one key short (s1 = t1 - 1: a block's last query does not see its
+    own key): dq, dk and dv wrong."""
+    bad = check_core(monkeypatch, lambda q, k, v, allowed, scale, blocks: mla._core_bf16(
+        q, k, v, allowed, scale, tuple((t0, t1, s1 - 1 if t0 else s1) for t0, t1, s1 in blocks)), 40)
+    assert {b[:2] for b in bad} == {"dq", "dk", "dv"}, f"a key block left out passed: {bad}"
 
 
 def test_forward_bits_do_not_depend_on_the_switch(monkeypatch):

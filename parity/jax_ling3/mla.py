@@ -95,7 +95,7 @@ def mla_attention(p: dict, x: jnp.ndarray, positions: jnp.ndarray, spec: LayerSp
     if cache is None or cache.length is None:
         kvh = kv.reshape(B, T, H, n + vd)
         core = _naive(q_nope, q_rope, kvh[..., :n], kvh[..., n:], k_rope, jnp.tril(jnp.ones((T, T), bool)),
-                      m.attn_scale, dt)
+                      m.attn_scale, dt, causal=True)
         new_cache = None if cache is None else MLACache(
             jax.lax.dynamic_update_slice(cache.c_kv, c_kv.astype(cache.c_kv.dtype), (0, 0, 0)),
             jax.lax.dynamic_update_slice(cache.k_rope, k_rope.astype(cache.k_rope.dtype), (0, 0, 0)),
@@ -127,14 +127,16 @@ def mla_attention(p: dict, x: jnp.ndarray, positions: jnp.ndarray, spec: LayerSp
     return out, pts, new_cache
 
 
-def _naive(q_nope, q_rope, k_nope, v, k_rope, allowed, scale, dt):
-    """softmax(s·(q_nope·k_nope + q_rope·k_rope)) v per head; q [B,T,H,·], k_nope/v [B,S,H,·], k_rope [B,S,r]."""
+def _naive(q_nope, q_rope, k_nope, v, k_rope, allowed, scale, dt, causal: bool = False):
+    """softmax(s·(q_nope·k_nope + q_rope·k_rope)) v per head; q [B,T,H,·], k_nope/v [B,S,H,·], k_rope [B,S,r].
+    causal: `allowed` is the square lower triangle (a prefill), which lets the native VJP skip masked key blocks."""
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
     H = q.shape[2]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_rope.shape[:2], H, k_rope.shape[-1]))],
                         axis=-1)
     if native_bf16_backward(q, k, v):
-        return _core_bf16(q, k, v, allowed, scale)
+        T, S = q.shape[1], k.shape[1]
+        return _core_bf16(q, k, v, allowed, scale, causal_blocks(T, S, CAUSAL_BLOCK if causal else None))
     return _core(q, k, v, allowed, scale, dt)
 
 
@@ -145,37 +147,80 @@ def _core(q, k, v, allowed, scale, dt):
     return _mm("bhts,bshv->bthv", probs, v, dt)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _core_bf16(q, k, v, allowed, scale):
+# Query rows per block of the native attention VJP of a causal prefill (`_core_bf16`): the queries [t0, t1) attend
+# keys [0, t1) only, so the T x T products and softmax passes over keys that no query of the block sees are skipped
+# (~44 % of them at T = 2048, as flash attention's causal kernels skip them). The forward's bits are the readable
+# path's whatever the blocks; under a VJP key blocks change only fp32 summation orders (dk and dv are summed over the
+# query blocks in fp32 and rounded once, as one bf16 GEMM rounds them). None: one block.
+CAUSAL_BLOCK: int | None = 256
+
+
+def causal_blocks(T: int, S: int, block: int | None) -> tuple[tuple[int, int, int], ...]:
+    """(t0, t1, s1) per query block: queries [t0, t1) over keys [0, s1). One block (all T queries over all S keys)
+    unless `block` is set, the mask is the square causal one (S == T) and T > block."""
+    if block is None or T != S or T <= block:
+        return ((0, T, S),)
+    return tuple((t0, min(t0 + block, T), min(t0 + block, T)) for t0 in range(0, T, block))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _core_bf16(q, k, v, allowed, scale, blocks):
     """`_core` of bf16 operands on CPU (`ops.BWD_NATIVE_BF16`): the same forward bits; under a VJP its products are
-    native bf16 dots (as a bf16 torch matmul and its autograd: fp32 sums, each product rounded once to bf16)."""
+    native bf16 dots (as a bf16 torch matmul and its autograd: fp32 sums, each product rounded once to bf16), query
+    block by query block (`causal_blocks`)."""
     return _core(q, k, v, allowed, scale, jnp.bfloat16)
 
 
-def _core_bf16_fwd(q, k, v, allowed, scale):
+def _heads_first(a):
+    """[B, T, H, d] -> [B, H, T, d], materialised row-major once (each query block's dots then slice it in place;
+    sliced in [B, T, H, d], XLA:CPU copied every block's key prefix transposed: 0.19 s at T = 2048)."""
+    return row_major(jnp.einsum("bthd->bhtd", a))
+
+
+def _minor_t(a):
+    """[..., t, d] -> [..., d, t] materialised row-major: the small operand of dv = (dOᵀ P)ᵀ and dk = (qᵀ dS)ᵀ. Left to
+    XLA, a dot contracting its lhs's rows took XLA:CPU's slow generic path (0.12 s at T = 2048), as `ops.contiguous_t`
+    notes for the linears."""
+    return row_major(jnp.swapaxes(a, -1, -2))
+
+
+def _core_bf16_fwd(q, k, v, allowed, scale, blocks):
     bf = jnp.bfloat16
-    s = (bf16_dot("bthd,bshd->bhts", q, k).astype(bf).astype(F32) * scale).astype(bf)
-    p32 = jax.nn.softmax(jnp.where(allowed, s.astype(F32), -jnp.inf), axis=-1)  # fp32 softmax, saved as torch does
-    out = jnp.einsum("bhtv->bthv", row_major(bf16_dot("bhts,bshv->bhtv", p32.astype(bf), v).astype(bf)))
-    return out, (q, k, v, allowed, p32)
+    qh, kh, vh = _heads_first(q), _heads_first(k), _heads_first(v)
+    outs, p32s = [], []
+    for t0, t1, s1 in blocks:
+        s = (bf16_dot("bhtd,bhsd->bhts", qh[:, :, t0:t1], kh[:, :, :s1]).astype(bf).astype(F32) * scale).astype(bf)
+        p32 = jax.nn.softmax(jnp.where(allowed[t0:t1, :s1], s.astype(F32), -jnp.inf), axis=-1)  # saved, as torch
+        outs.append(row_major(bf16_dot("bhts,bhsv->bhtv", p32.astype(bf), vh[:, :, :s1]).astype(bf)))
+        p32s.append(p32)
+    out = jnp.einsum("bhtv->bthv", jnp.concatenate(outs, axis=2))
+    return out, (qh, kh, vh, allowed, tuple(p32s))
 
 
-def _core_bf16_bwd(scale, res, dout):
+def _core_bf16_bwd(scale, blocks, res, dout):
     """Plain AD of `_core` step by step, in torch autograd's roundings: d probs and dv rounded to bf16, the softmax's
-    VJP p ⊙ (d − Σ d p) in fp32 on its fp32 output, rounded; × scale in fp32, rounded; dq and dk rounded."""
-    q, k, v, allowed, p32 = res
+    VJP p ⊙ (d − Σ d p) in fp32 on its fp32 output, rounded; × scale in fp32, rounded; dq and dk rounded. dk and dv
+    sum their query blocks' fp32 products, then round once."""
+    qh, kh, vh, allowed, p32s = res
     bf = jnp.bfloat16
-    dout = dout.astype(bf)
-    d32 = bf16_dot("bthv,bshv->bhts", dout, v).astype(bf).astype(F32)
-    # dv = Pᵀ dO and dk = dSᵀ q contract the T x T matrix's leading dim: as (dOᵀ P)ᵀ and (qᵀ dS)ᵀ the big operand
-    # stays row-major and only the small one is transposed (written as "bhts,bthv->bshv", XLA:CPU copied each
-    # [16, 2048, 2048] bf16 matrix transposed for its dot: 0.41 s apiece at T = 2048)
-    dv = jnp.einsum("bhvs->bshv", row_major(bf16_dot("bthv,bhts->bhvs", dout, p32.astype(bf)).astype(bf)))
-    ds = jnp.where(allowed, p32 * (d32 - jnp.sum(d32 * p32, axis=-1, keepdims=True)), 0).astype(bf)
-    dsr = (ds.astype(F32) * scale).astype(bf)
-    dq = jnp.einsum("bhtd->bthd", row_major(bf16_dot("bhts,bshd->bhtd", dsr, k).astype(bf)))
-    dk = jnp.einsum("bhds->bshd", row_major(bf16_dot("bthd,bhts->bhds", q, dsr).astype(bf)))
-    return dq, dk, dv, None
+    doh = _heads_first(dout.astype(bf))
+    B, H, S, d = kh.shape
+    dq_blocks = []
+    dk = jnp.zeros((B, H, d, S), F32)
+    dv = jnp.zeros((B, H, vh.shape[-1], S), F32)
+    for (t0, t1, s1), p32 in zip(blocks, p32s):
+        qb, dob, kb, vb = qh[:, :, t0:t1], doh[:, :, t0:t1], kh[:, :, :s1], vh[:, :, :s1]
+        d32 = bf16_dot("bhtv,bhsv->bhts", dob, vb).astype(bf).astype(F32)
+        # dv = Pᵀ dO and dk = dSᵀ q contract the T x T matrix's leading dim: as (dOᵀ P)ᵀ and (qᵀ dS)ᵀ the big operand
+        # stays row-major and only the small one is transposed (written as "bhts,bthv->bshv", XLA:CPU copied each
+        # [16, 2048, 2048] bf16 matrix transposed for its dot: 0.41 s apiece at T = 2048)
+        dv = dv.at[..., :s1].add(row_major(bf16_dot("bhvt,bhts->bhvs", _minor_t(dob), p32.astype(bf))))
+        ds = jnp.where(allowed[t0:t1, :s1], p32 * (d32 - jnp.sum(d32 * p32, axis=-1, keepdims=True)), 0).astype(bf)
+        dsr = (ds.astype(F32) * scale).astype(bf)
+        dq_blocks.append(row_major(bf16_dot("bhts,bhsd->bhtd", dsr, kb).astype(bf)))
+        dk = dk.at[..., :s1].add(row_major(bf16_dot("bhdt,bhts->bhds", _minor_t(qb), dsr)))
+    dq = jnp.einsum("bhtd->bthd", jnp.concatenate(dq_blocks, axis=2))
+    return dq, jnp.einsum("bhds->bshd", dk.astype(bf)), jnp.einsum("bhvs->bshv", dv.astype(bf)), None
 
 
 _core_bf16.defvjp(_core_bf16_fwd, _core_bf16_bwd)
