@@ -39,7 +39,8 @@ def test_goldens_replay_clean_in_every_mode():
 def test_a_planted_bug_fails_at_its_site(golden, tmp_path):
     """A SiLU between the low-rank gate projections (`parity.targets.kimi.KimiPlantedGateActivation`, a porting bug
     issue 34 names): layer 0 (KDA) fails at `attention.gate`; layer 1 (MLA, untouched) passes; the run's summary and
-    its `kimi_report.json` name layer 0's `attention.gate` as the first divergence."""
+    its report (report.json in DESIGN §8's schema, report.html with the HERE marker, the pytest command that
+    reproduces it) name layer 0's `attention.gate` as the first divergence and its source."""
     import json
 
     label = golden.removesuffix(".h5")
@@ -48,12 +49,21 @@ def test_a_planted_bug_fails_at_its_site(golden, tmp_path):
     assert r.returncode == 1, r.stdout[-3000:]
     assert "1 failed, 1 passed" in r.stdout, r.stdout[-3000:]
     assert f"{label} (layer mode) layer 0 attention.gate: Tensor-likes are not close!" in r.stdout, r.stdout[-3000:]
-    assert f"{label} (Kimi Linear): FIRST DIVERGENCE layer mode, layer 0 attention.gate: max " in r.stdout, \
+    assert f"{label} (Kimi Linear): FIRST DIVERGENCE layer mode, prefill layer 0 attention.gate: max " in r.stdout, \
         r.stdout[-3000:]
-    rep = json.loads((tmp_path / label / "kimi_report.json").read_text())
+    rep = json.loads((tmp_path / label / "report.json").read_text())
+    assert (rep["schema"], rep["family"], rep["mode"], rep["passed"]) == ("ling3-parity-report", "kimi_linear",
+                                                                          "layer", False)
     fd = rep["first_divergence"]
-    assert (fd["layer"], fd["site"], fd["status"]) == (0, "attention.gate", "fail") and rep["counts"]["fail"] >= 1
+    assert (fd["phase"], fd["layer"], fd["site"], fd["status"]) == ("prefill", 0, "attention.gate", "fail")
+    assert (fd["source"]["layer"], fd["source"]["site"]) == (0, "attention.gate") and rep["counts"]["fail"] >= 1
+    assert fd["max_ulp"] > 0 and fd["worst_index"] is not None and fd["dtype"] in ("float32", "bfloat16")
     assert all(p["status"] == "pass" for p in rep["points"] if p["layer"] == 1)
+    from parity.reporting.repro import pytest_command
+
+    assert pytest_command(rep).endswith("-k 'layer_0]'")  # the test holding the failure: one per layer
+    page = (tmp_path / label / "report.html").read_text()
+    assert "HERE ▶" in page and "prefill/L00/attention.gate" in page
 
 
 class PartialKimiTarget(KimiReferenceTarget):
@@ -75,7 +85,7 @@ def test_sites_a_target_does_not_return_are_not_provided_not_failed(tmp_path, mo
     r = _pytest("--parity-dump", str(KIMI_DUMPS / KIMI_GOLDEN[1].file), "--parity-target",
                 "test_kimi_goldens:PartialKimiTarget", "-k", "layer_0", reports=tmp_path)
     assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:]
-    rep = json.loads((tmp_path / KIMI_GOLDEN[1].file.removesuffix(".h5") / "kimi_report.json").read_text())
+    rep = json.loads((tmp_path / KIMI_GOLDEN[1].file.removesuffix(".h5") / "report.json").read_text())
     assert rep["counts"].get("not provided", 0) >= 5 and rep["counts"]["pass"] >= 3, rep["counts"]
     assert rep["first_divergence"] is None
 

@@ -8,8 +8,9 @@ are Ling3's where the quantity is the same (DESIGN §3: `attention.gate` is the 
 the gated norm's output, `mlp.routed` the weighted expert sum), so Ling3's calibrated rules for that site class judge
 them. A site whose module a layer lacks (MLA's `kv_b_proj` in a KDA layer, a dense layer's router) is skipped there.
 
-Ling3's own description is still `parity.model.points` (its site graph) and the per-runtime module maps in
-`parity/torch_ref/`; the dumper and the replay do not read this module.
+Each site also names the sites it is computed from (`KimiSite.inputs`): the site graph the report reads
+(`KimiGraph`) for a Kimi dump's first divergence and its source. Ling3's own description is still
+`parity.model.points` (its site graph) and the per-runtime module maps in `parity/torch_ref/`.
 """
 
 from __future__ import annotations
@@ -36,43 +37,81 @@ class KimiSite:
     sort: bool = False
     point: str | None = None
     judged: bool = True
+    inputs: tuple[str, ...] = ()  # the sites of the same layer it is computed from (the site graph, DESIGN §6)
 
     @property
     def jax_point(self) -> str:
         return self.point or self.module or self.site
 
 
-def _attn(site: str, module: str) -> KimiSite:
-    return KimiSite(f"attention.{site}", f"self_attn.{module}")
+def _attn(site: str, module: str, inputs: tuple[str, ...] = ("input_layernorm",)) -> KimiSite:
+    return KimiSite(f"attention.{site}", f"self_attn.{module}", inputs=inputs)
 
 
-# execution order within a layer (DESIGN §3)
+_KDA_IN = tuple(f"attention.{s}" for s in ("q_proj", "k_proj", "v_proj", "gate", "b_proj", "g_proj"))
+# MLA's core (no site) reads the query (q_b_proj, or q_proj without q-LoRA), the expanded keys and values and k_rope
+_MLA_IN = ("attention.q_proj", "attention.q_b_proj", "attention.kv_b_proj", "attention.kv_a_proj_with_mqa")
+
+
+# execution order within a layer (DESIGN §3), each site with the sites it is computed from (a site a layer lacks is
+# simply absent there: MLA's inputs in a KDA layer, the router in a dense one)
+_POST = ("post_attention_layernorm",)
 SITES: tuple[KimiSite, ...] = (
     KimiSite("input", "", io="input", judged=False),
-    KimiSite("input_layernorm", "input_layernorm"),
+    KimiSite("input_layernorm", "input_layernorm", inputs=("input",)),
     # KDA (KimiLinearDeltaAttention)
     _attn("q_proj", "q_proj"), _attn("k_proj", "k_proj"), _attn("v_proj", "v_proj"),
     _attn("gate", "forget_gate"),  # log-space decay g [B,T,H,d] fp32 (KimiLinearForgetGate)
     _attn("b_proj", "b_proj"),  # before its sigmoid (beta is computed inline, no module)
     _attn("g_proj", "g_b_proj"),  # the output gate, g_b_proj(g_a_proj(x)), before its reshape
-    _attn("o_norm", "o_norm"),  # KimiLinearRMSNormGated: normalised and gated
+    _attn("o_norm", "o_norm", _KDA_IN),  # KimiLinearRMSNormGated: normalised and gated
     # MLA (KimiLinearAttention)
-    _attn("q_a_proj", "q_a_proj"), _attn("q_a_layernorm", "q_a_layernorm"), _attn("q_b_proj", "q_b_proj"),
-    _attn("kv_a_proj_with_mqa", "kv_a_proj_with_mqa"), _attn("kv_a_layernorm", "kv_a_layernorm"),
-    _attn("kv_b_proj", "kv_b_proj"),
+    _attn("q_a_proj", "q_a_proj"), _attn("q_a_layernorm", "q_a_layernorm", ("attention.q_a_proj",)),
+    _attn("q_b_proj", "q_b_proj", ("attention.q_a_layernorm",)),
+    _attn("kv_a_proj_with_mqa", "kv_a_proj_with_mqa"),
+    _attn("kv_a_layernorm", "kv_a_layernorm", ("attention.kv_a_proj_with_mqa",)),
+    _attn("kv_b_proj", "kv_b_proj", ("attention.kv_a_layernorm",)),
     # both kinds
-    _attn("o_proj", "o_proj"),
-    KimiSite("attention", "self_attn"),
-    KimiSite("post_attention_layernorm", "post_attention_layernorm"),
-    KimiSite("mlp:in", "mlp", io="input", judged=False),
+    _attn("o_proj", "o_proj", ("attention.o_norm",) + _MLA_IN),
+    KimiSite("attention", "self_attn", inputs=("attention.o_proj",)),
+    KimiSite("post_attention_layernorm", "post_attention_layernorm", inputs=("input", "attention")),
+    KimiSite("mlp:in", "mlp", io="input", judged=False, inputs=_POST),
     # MoE (KimiLinearMoE): the router's (logits, weights, ids), the experts' weighted sum, the shared experts
-    KimiSite("mlp.gate.logits", "mlp.gate", index=0, point="mlp.gate.logits"),
-    KimiSite("mlp.gate.topk_idx", "mlp.gate", index=2, sort=True, judged=False),  # routing: forced and counted
-    KimiSite("mlp.routed", "mlp.experts", point="mlp.routed"),
-    KimiSite("mlp.shared_experts", "mlp.shared_experts"),
-    KimiSite("mlp", "mlp"),
-    KimiSite("output", ""),
+    KimiSite("mlp.gate.logits", "mlp.gate", index=0, point="mlp.gate.logits", inputs=_POST),
+    KimiSite("mlp.gate.topk_idx", "mlp.gate", index=2, sort=True, judged=False,  # routing: forced and counted
+             inputs=("mlp.gate.logits",)),
+    KimiSite("mlp.routed", "mlp.experts", point="mlp.routed", inputs=_POST + ("mlp.gate.logits",)),
+    KimiSite("mlp.shared_experts", "mlp.shared_experts", inputs=_POST),
+    KimiSite("mlp", "mlp", inputs=_POST + ("mlp.routed", "mlp.shared_experts")),
+    KimiSite("output", "", inputs=("input", "attention", "mlp")),
 )
+
+
+class KimiGraph:
+    """The family's site graph as the report reads it (`parity.reporting.report`: execution order and each point's
+    inputs, for the first divergence and its source), from `SITES` alone. Forward: a layer's sites in `SITES` order,
+    layer i's `input` from layer i-1's `output`. Backward (a `--grads` dump's phase, sites `input` = dL/d layer input
+    and `grad.<param>`): the layers last to first, each layer's weight gradients before its input cotangent."""
+
+    family = FAMILY
+
+    def site_rank(self, layer: int | None, site: str) -> int:
+        names = [s.site for s in SITES]
+        return names.index(site) if site in names else len(names)
+
+    def backward_rank(self, layer: int | None, site: str) -> tuple:
+        return (-(layer or 0), 0 if site.startswith("grad.") else 1, site)
+
+    def point_inputs(self, point):
+        from parity.model.points import Point
+
+        if point.layer is None or point.phase == "backward":
+            return []
+        if point.site == "input":
+            return [] if point.layer == 0 else [Point(point.phase, point.step, point.layer - 1, "output")]
+        by_name = {s.site: s for s in SITES}
+        s = by_name.get(point.site)
+        return [Point(point.phase, point.step, point.layer, n) for n in (s.inputs if s else ())]
 
 
 # The family's tolerance overlay (issue 34 item 3): Ling3's calibrated rules judge a Kimi site of the same class;

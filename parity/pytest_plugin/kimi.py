@@ -8,8 +8,8 @@ A dump is a Kimi one by its root attr `family` (`parity.torch_ref.kimi_dump`); t
 layer 3 of every dump). Modes: `--parity-mode`'s `layer`, `isolated` and `free` (`forced` is layer mode for Kimi: its
 layer mode already routes to the built-in's experts). The checkpoint: `--parity-ckpt`, else the bundled one with the
 dump's fingerprint. `--parity-target package.module:Class` judges a Kimi target (`parity.targets.kimi`) in layer
-mode. Kimi's verdicts are not written to report.json (Ling3's point records); a failing test prints every failing
-site's message.
+mode. A failing test prints every failing site's message; the run writes each Kimi dump's report.json, report.md and
+report.html as a Ling3 replay does (`reports`: Ling3's report over the family's site graph).
 """
 
 from __future__ import annotations
@@ -162,51 +162,48 @@ def _stored_dtype(ckpt: Path) -> str | None:
 
 RECORD_KEY = "kimi_record"  # a test's user property: one JSON record per judged site (the controller collects them)
 
+# the verdict's fields a record keeps (report.json's point records, DESIGN §8)
+_VERDICT_FIELDS = ("dtype", "max_ulp", "p99_ulp", "frac_exact", "max_diff_rms", "rel_l2", "cosine", "worst_index",
+                   "worst_ref", "worst_test")
+
 
 def site_records(unit: KimiUnit, verdicts: dict[str, Any]) -> list[dict[str, Any]]:
-    """One record per judged site of the unit: where (dump, mode, layer, step, site), the status and the verdict's
-    numbers (greatest ULP after the rule's floor, its index and both values, rel-L2, bit-exact fraction)."""
+    """One report.json point record per judged site of the unit (DESIGN §8's schema, as a Ling3 replay writes them):
+    phase (`prefill`, `decode` for the sites `decode k/<site>`, `backward` for `backward/<site>`), step, layer, site,
+    status, and the verdict's numbers (greatest ULP after the rule's floor, its index and both values, rel-L2, ...),
+    with the dump's path and label and the mode."""
     out = []
     for name, res in verdicts.items():
-        step, site = (int(name.split("/")[0].split()[1]), name.split("/", 1)[1]) if name.startswith("decode ") \
-            else (0, name)
+        phase, step, site = "prefill", 0, name
+        if name.startswith("decode "):
+            phase, step, site = "decode", int(name.split("/")[0].split()[1]), name.split("/", 1)[1]
+        elif name.startswith("backward/"):
+            phase, site = "backward", name[len("backward/"):]
+        rec = {"dump": str(unit.path), "label": unit.label, "mode": unit.mode, "phase": phase, "step": step,
+               "layer": unit.layer, "site": site, "status": res.status}
         v = res.verdict
-        rec = {"dump": unit.label, "mode": unit.mode, "layer": unit.layer, "step": step, "site": site,
-               "status": res.status}
         if v is not None:
-            rec |= {"max_ulp": v.max_ulp, "worst_index": list(v.worst_index) if v.worst_index else None,
-                    "worst_ref": v.worst_ref, "worst_test": v.worst_test, "rel_l2": v.rel_l2,
-                    "frac_exact": v.frac_exact}
+            rec |= {k: getattr(v, k) for k in _VERDICT_FIELDS}
+            rec["worst_index"] = list(v.worst_index) if v.worst_index else None
+            if res.status == "fail":
+                rec["message"] = res.message()
         out.append(rec)
     return out
 
 
-def _order(rec: dict[str, Any]) -> tuple:
-    """Execution order of a record: mode, then the prefill before the decode steps and the backward last, layer,
-    the site's place in `kimi_family.SITES`."""
-    from parity.model.kimi_family import SITES
+def reports(records: list[dict[str, Any]], target: str) -> dict[str, dict[str, Any]]:
+    """{mode: report.json} of one Kimi dump's records: Ling3's report (`parity.reporting.report.build_report`) over
+    the family's site graph (`kimi_family.KimiGraph`: execution order, first divergence and its source), with
+    `family: kimi_linear`."""
+    from parity.model.kimi_family import FAMILY, KimiGraph
+    from parity.reporting.report import build_report
 
-    names = [s.site for s in SITES]
-    site = rec["site"]
-    phase = 2 if site.startswith("backward/") else (1 if rec["step"] else 0)
-    where = names.index(site) if site in names else len(names)
-    return (KIMI_MODES.index(rec["mode"]) if rec["mode"] in KIMI_MODES else 9, phase, rec["step"], rec["layer"], where)
-
-
-def first_divergence(records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The first failing record in execution order (`_order`), or None."""
-    bad = sorted((r for r in records if r["status"] == "fail"), key=_order)
-    return bad[0] if bad else None
-
-
-def report(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """A Kimi dump's report (`kimi_report.json`): every judged site's record, their counts by status, the first
-    divergence."""
-    counts: dict[str, int] = {}
+    by_mode: dict[str, list[dict[str, Any]]] = {}
     for r in records:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
-    return {"family": "kimi_linear", "counts": counts, "first_divergence": first_divergence(records),
-            "points": sorted(records, key=_order)}
+        by_mode.setdefault(r["mode"], []).append(r)
+    return {mode: build_report(KimiGraph(), recs, dump=recs[0]["dump"], target=target, mode=mode,
+                               extra={"family": FAMILY})
+            for mode, recs in sorted(by_mode.items(), key=lambda kv: KIMI_MODES.index(kv[0]))}
 
 
 def summary_line(label: str, rep: dict[str, Any]) -> str:
@@ -214,13 +211,16 @@ def summary_line(label: str, rep: dict[str, Any]) -> str:
     counts = ", ".join(f"{n} {s}" for s, n in sorted(rep["counts"].items()))
     fd = rep["first_divergence"]
     if fd is None:
-        return f"{label} (Kimi Linear): every judged site passes ({counts})"
-    at = f"layer {fd['layer']} {fd['site']}" + (f" at decode step {fd['step']}" if fd["step"] else "")
+        return f"{label} (Kimi Linear, {rep['mode']} mode): every judged site passes ({counts})"
+    at = f"{fd['phase']} layer {fd['layer']} {fd['site']}" + (f" at decode step {fd['step']}" if fd["step"] else "")
     nums = ""
     if fd.get("max_ulp") is not None and fd.get("worst_ref") is not None:
         nums = (f": max {fd['max_ulp']} ULP at index {tuple(fd['worst_index'] or ())} (ref {fd['worst_ref']:.6g}, "
                 f"test {fd['worst_test']:.6g}), rel-L2 {fd['rel_l2']:.3g}")
-    return f"{label} (Kimi Linear): FIRST DIVERGENCE {fd['mode']} mode, {at}{nums} ({counts})"
+    src = fd["source"]
+    source = "" if (src["phase"], src["layer"], src["site"]) == (fd["phase"], fd["layer"], fd["site"]) else \
+        f"; source {src['phase']} layer {src['layer']} {src['site']}"
+    return f"{label} (Kimi Linear): FIRST DIVERGENCE {rep['mode']} mode, {at}{nums}{source} ({counts})"
 
 
 def run_kimi_unit(request: pytest.FixtureRequest, unit: KimiUnit) -> None:

@@ -581,7 +581,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             _RECORDS.setdefault(rec["dump"], []).append(rec)
         elif key == KIMI_RECORD_KEY:
             rec = json.loads(value)
-            _KIMI_RECORDS.setdefault(rec["dump"], []).append(rec)
+            _KIMI_RECORDS.setdefault(rec["label"], []).append(rec)
 
 
 _RECORDS: dict[str, list[dict]] = {}
@@ -589,16 +589,20 @@ _KIMI_RECORDS: dict[str, list[dict]] = {}  # Kimi Linear dumps' site records (`p
 
 
 def _write_kimi_reports(config: pytest.Config) -> None:
-    """reports/<dump>/kimi_report.json per Kimi dump of the run, and its summary line for the terminal."""
+    """report.json / .md / .html per Kimi dump (and mode: `reports/<dump>[/<mode>]/`, as a Ling3 run nests them),
+    and a summary line per report for the terminal."""
     from parity.pytest_plugin import kimi
+    from parity.reporting.report import write_reports
 
     lines = []
+    target = config.getoption("--parity-target") or "reference"
     for label, recs in sorted(_KIMI_RECORDS.items()):
-        rep = kimi.report(recs)
-        out = Path(config.getoption("--parity-report")) / label
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "kimi_report.json").write_text(json.dumps(rep, indent=1, default=str))
-        lines += [kimi.summary_line(label, rep), f"  report: {out}/kimi_report.json"]
+        reps = kimi.reports(recs, target)
+        for mode, rep in reps.items():
+            out = Path(config.getoption("--parity-report")) / label / (mode if len(reps) > 1 else "")
+            rep["report_dir"] = str(out)
+            write_reports(rep, out)
+            lines += [kimi.summary_line(label, rep), f"  report: {out / 'report.html'}"]
     config._parity_kimi_lines = lines
 
 

@@ -40,9 +40,21 @@ def _site_rank(cfg, layer: int | None, site: str) -> int:
     return 2 * len(sites) + 1
 
 
+def _family_graph(cfg):
+    """A family's site graph given in place of a Ling3 config (`parity.model.kimi_family.KimiGraph`: `site_rank`,
+    `backward_rank`, `point_inputs`), else None: Ling3's, read from its config and `parity.model.points`."""
+    return cfg if all(hasattr(cfg, a) for a in ("site_rank", "backward_rank", "point_inputs")) else None
+
+
 def order_key(cfg, rec: dict) -> tuple:
-    """Execution order (DESIGN §6): phase, step, layer (embed first, final_norm/logits last), site order of §3."""
+    """Execution order (DESIGN §6): phase, step, layer (embed first, final_norm/logits last), site order of §3.
+    `cfg`: a Ling3 config, or another family's site graph (`_family_graph`)."""
     layer = rec.get("layer")
+    if (g := _family_graph(cfg)) is not None:
+        if rec["phase"] == "backward":
+            return (2, 0) + g.backward_rank(layer, rec["site"])
+        return (0 if rec["phase"] == "prefill" else 1, rec.get("step", 0), -1 if layer is None else layer,
+                g.site_rank(layer, rec["site"]))
     if layer is None and (m := mtp_site(rec["site"])) is not None:
         lay = 10**6 + 1 + m[0]  # MTP layers run after the main stack's head, in order
     elif layer is None:
@@ -101,8 +113,9 @@ def first_divergence(cfg, records: list[dict]) -> dict | None:
         return None
     status = {_pt(r): r.get("status") for r in records}
     source = None
+    g = _family_graph(cfg)
     for r in failing:
-        ins = point_inputs(cfg, _pt(r))
+        ins = g.point_inputs(_pt(r)) if g is not None else point_inputs(cfg, _pt(r))
         if not any(status.get(p) in FAILING for p in ins):
             source = r
             break

@@ -221,7 +221,9 @@ def pytest_command(report: dict, point: Point | None = None) -> str:
     if tol.get("file"):
         parts.append(f"--parity-tolerances {q(tol['file'])}")
     parts += [f"--parity-tol {q(t)}" for t in tol.get("overrides") or ()]
-    if point.layer is not None:
+    if report.get("family", "ling3") != "ling3":  # one test per layer (`test_kimi_layer[<dump>/layer_3]`)
+        expr = f"layer_{point.layer}]"
+    elif point.layer is not None:
         expr = f"layer_{point.layer} and {point.site}]"
     else:  # model-level (`.../model/logits]`) or an MTP layer's point (`.../MTP0/enorm]`: its site holds the unit)
         expr = f"{point.site}]" if mtp_site(point.site) else f"model/{point.site}]"
@@ -237,7 +239,8 @@ def repro_commands(report: dict) -> list[str]:
         return []
     out = [f"  reproduce: {pytest_command(report)}"]
     src = fd.get("source") or fd
-    if src.get("layer") is not None:  # the bundle reproduces per-layer points (its default point is the source)
+    if src.get("layer") is not None and report.get("family", "ling3") == "ling3":
+        # the bundle reproduces a Ling3 per-layer point (its default point is the source)
         where = report.get("report_dir") or "<report dir>"
         out.append(f"  repro bundle: python tools/repro.py {shlex.quote(str(where))}")
     return out
