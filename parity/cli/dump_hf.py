@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.errors import ParityError
+from parity.model import families
 from parity.model.points import parse_layers
 
 
@@ -234,16 +235,6 @@ def inspect_lines(path: str) -> list[str]:
                 f"  kernels: {kernels_line(d.kernels)}"]
 
 
-def _model_type(ckpt: Path) -> str | None:
-    """config.json's `model_type` (None when unreadable: the Ling3 path then reports the config in its own line)."""
-    import json
-
-    try:
-        return json.loads((ckpt / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 # The options a Kimi Linear dump takes (issue 34: transformers' built-in `KimiLinearForCausalLM`, its sites as
 # `parity.model.kimi_family.SITES` names them); the others are Ling3's (its runtimes, kernels, prompts, --grads).
 KIMI_OPTIONS = ("ckpt", "out", "dtype", "prompt_len", "decode_steps", "seed", "force", "no_progress", "ids",
@@ -320,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         # everything that can be refused is refused before the model loads (seconds to minutes)
         outs = [check_output_path(o, force=args.force) for o in dtype_outputs(args.out, args.dtype)]
         ckpt = Path(args.ckpt)
-        if _model_type(ckpt) == "kimi_linear":
+        if families.of_checkpoint(ckpt) == families.KIMI_LINEAR:
             return _dump_kimi(parser, args, ckpt, outs)
         cfg = Ling3Config.from_pretrained_dir(ckpt, strict=False)
         layers = parse_layers(args.layers)

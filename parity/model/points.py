@@ -4,8 +4,9 @@ A point is `(phase, step, layer, site)`; `layer is None` for the model-level sit
 Sites use the official checkpoint's module names relative to `model.layers.{i}`. A module's *input* is written
 `<site>:in` where it is not already another site's output (isolated replay feeds these).
 
-Per-runtime module maps (module path -> point) live with each runtime in `parity/torch_ref/`; this module only
-holds the names, their order and the HDF5 / report spellings.
+The site graph and the per-runtime module maps (module path -> point) are Ling3's description,
+`parity.model.ling3_family`; this module derives the per-layer site lists, the point and HDF5 / report spellings and
+the backward sites from it.
 """
 
 from __future__ import annotations
@@ -18,108 +19,11 @@ from typing import Literal
 
 Phase = Literal["prefill", "decode", "backward"]
 
-MODEL_SITES_BEFORE = ("embed",)
-MODEL_SITES_AFTER = ("final_norm", "logits")
-
-# ------------------------------------------------------------------------------------------ the site graph
-@dataclass(frozen=True)
-class Site:
-    """One per-layer site of the graph (DESIGN §3): what it is computed from, how it is measured, where it exists.
-
-    name:    canonical site name (relative to `model.layers.{i}`); `<module>:in` is a module's recorded input.
-    kind:    where the site exists: "layer" (every layer), "kda", "mla" (with "mla/q_lora" and "mla/no_q_lora" for the
-             q-path variants), "dense" or "moe" (the MLP kind).
-    inputs:  sites of the same layer and step it is computed from — the data the site's computation reads, not the
-             module that happens to compute it (divergence sources, isolated feeding).
-    cls:     numerics class (calibration and noise tables group by it).
-    carry:   dumped sites of the *previous* step this site continues from at a decode step (KDA recurrent state).
-    history: dumped sites of *every earlier* step it attends over at a decode step (MLA expanded K/V cache).
-    positions: the computation takes the tokens' absolute positions (RoPE).
-    alias:   why the site has no computation of its own (it is another site's tensor, or the layer's input); such a
-             site is compared in layer/free replay but not recomputed in isolated replay.
-    """
-
-    name: str
-    kind: str
-    inputs: tuple[str, ...]
-    cls: str
-    carry: tuple[str, ...] = ()
-    history: tuple[str, ...] = ()
-    positions: bool = False
-    alias: str | None = None
-
-
-def _s(name, kind, inputs, cls, **kw) -> Site:
-    return Site(name, kind, tuple(inputs), cls, **kw)
-
-
-_QKV_PROJ = [_s(f"attention.{p}_proj", "kda", ["input_layernorm"], "projection") for p in "qkv"]
-_CONV = [_s(f"attention.{p}_conv1d", "kda", [f"attention.{p}_proj"], "conv", carry=["attention.conv_state"])
-         for p in "qkv"]  # after conv + SiLU
-# MLA keys/values: expanded (kv_b_proj; naive form), their RoPE part (kv_a_proj_with_mqa[..., c:]) and the normalised
-# latent (kv_a_layernorm) the absorbed decode form attends over (facts §4.5)
-_MLA_KV = ["attention.kv_b_proj", "attention.kv_a_proj_with_mqa", "attention.kv_a_layernorm"]
-
-# Declaration order is execution order within a layer (DESIGN §3).
-SITE_GRAPH: tuple[Site, ...] = (
-    _s("input", "layer", [], "residual", alias="the layer's input is what the layer is fed, not computed"),
-    _s("input_layernorm", "layer", ["input"], "layernorm"),
-    # KDA (facts §3)
-    *_QKV_PROJ, *_CONV,
-    _s("attention.f_proj", "kda", ["input_layernorm"], "projection"),
-    _s("attention.gate", "kda", ["attention.f_proj"], "gate_beta"),  # log-space decay after the gate [B,T,H,d] fp32
-    _s("attention.b_proj", "kda", ["input_layernorm"], "projection"),
-    _s("attention.beta", "kda", ["attention.b_proj"], "gate_beta"),  # sigmoid(b_proj) fp32 [B,T,H]
-    # recurrence output before o_norm [B,T,H,d] (facts §3.6: o_t = Sᵀ(s·q_t))
-    _s("attention.core", "kda", ["attention.q_conv1d", "attention.k_conv1d", "attention.v_conv1d", "attention.gate",
-                                 "attention.beta"], "attn_core", carry=["attention.state"]),
-    _s("attention.g_proj", "kda", ["input_layernorm"], "projection"),
-    _s("attention.o_norm", "kda", ["attention.core", "attention.g_proj"], "o_norm"),  # normalised and gated
-    _s("attention.o_proj", "kda", ["attention.o_norm"], "projection"),
-    # recurrent state after the step [B,H,K,V] fp32. The update S ← diag(exp g) S + k uᵀ, u = β(v − Sᵀk) reads k, v,
-    # gate, β and never q (facts §3.6; jax_ling3/kda.py), so q is not an input.
-    _s("attention.state", "kda", ["attention.k_conv1d", "attention.v_conv1d", "attention.gate", "attention.beta"],
-       "kda_state", carry=["attention.state"]),
-    # [3,B,P,W]: q,k,v conv histories (last W inputs, fla convention)
-    _s("attention.conv_state", "kda", ["attention.q_proj", "attention.k_proj", "attention.v_proj"], "conv",
-       carry=["attention.conv_state"]),
-    # MLA (facts §4)
-    _s("attention.q_a_proj", "mla/q_lora", ["input_layernorm"], "projection"),
-    _s("attention.q_a_layernorm", "mla/q_lora", ["attention.q_a_proj"], "layernorm"),
-    _s("attention.q_b_proj", "mla/q_lora", ["attention.q_a_layernorm"], "projection"),
-    _s("attention.q_proj", "mla/no_q_lora", ["input_layernorm"], "projection"),
-    _s("attention.kv_a_proj_with_mqa", "mla", ["input_layernorm"], "projection"),
-    _s("attention.kv_a_layernorm", "mla", ["attention.kv_a_proj_with_mqa"], "layernorm"),
-    _s("attention.kv_b_proj", "mla", ["attention.kv_a_layernorm"], "projection"),
-    # attention output before the head gate [B,T,H*v]: scores from q and the expanded keys (nope part from kv_b_proj,
-    # RoPE part from kv_a_proj_with_mqa[..., c:]), values from kv_b_proj (facts §4.2-4.4). The q input is q_b_proj
-    # or q_proj by the q-LoRA setting (`site_inputs` keeps the one that exists).
-    _s("attention.core", "mla", ["attention.q_b_proj", "attention.q_proj", *_MLA_KV], "attn_core", history=_MLA_KV,
-       positions=True),
-    _s("attention.g_proj", "mla", ["input_layernorm"], "projection"),
-    _s("attention.gate", "mla", ["attention.g_proj"], "gate_beta"),  # sigmoid per head [B,T,H]
-    _s("attention.dense:in", "mla", ["attention.core", "attention.gate"], "attn_core"),  # gated output (facts §4.6)
-    _s("attention.dense", "mla", ["attention.dense:in"], "projection"),
-    _s("attention", "layer", ["attention.o_proj", "attention.dense"], "attention_out",
-       alias="the attention block output is the `attention.o_proj` / `attention.dense` output itself"),
-    _s("post_attention_layernorm", "layer", ["input", "attention"], "layernorm"),
-    # dense MLP
-    _s("mlp.gate_proj", "dense", ["post_attention_layernorm"], "projection"),
-    _s("mlp.up_proj", "dense", ["post_attention_layernorm"], "projection"),
-    _s("mlp.down_proj", "dense", ["mlp.gate_proj", "mlp.up_proj"], "mlp_out"),
-    _s("mlp", "dense", ["mlp.down_proj"], "mlp_out", alias="a dense layer's `mlp` output is the `mlp.down_proj` output itself"),
-    # MoE (facts §5)
-    _s("mlp.gate.logits", "moe", ["post_attention_layernorm"], "router_logits"),  # fp32 [B,T,E]
-    _s("mlp.gate.topk_idx", "moe", ["mlp.gate.logits"], "router_ids"),  # int [B,T,k], compared as sets (routing)
-    _s("mlp.gate.topk_weight", "moe", ["mlp.gate.logits", "mlp.gate.topk_idx"], "topk_weight"),  # renormalised, scaled
-    _s("mlp.routed", "moe", ["post_attention_layernorm", "mlp.gate.topk_idx", "mlp.gate.topk_weight"], "mlp_out"),
-    _s("mlp.shared_experts", "moe", ["post_attention_layernorm"], "mlp_out"),
-    _s("mlp", "moe", ["mlp.routed", "mlp.shared_experts"], "mlp_out"),
-    _s("output", "layer", ["input", "attention", "mlp"], "residual"),
-)
-
-# Numerics classes of the model-level sites (no layer).
-MODEL_SITE_CLASSES = {"embed": "embed", "final_norm": "head", "logits": "head"}
+# The site graph is Ling3's description (`parity.model.ling3_family`): this module derives from it, reading it there
+# at each use, so a site added there is seen here (`layer_graph` caches per layer kind: `layer_graph.cache_clear()`).
+from parity.model import ling3_family as _ling3  # noqa: E402
+from parity.model.ling3_family import (MODEL_SITE_CLASSES, MODEL_SITES_AFTER, MODEL_SITES_BEFORE,  # noqa: E402,F401
+                                       SITE_GRAPH, Site, canonical_shape)
 
 
 def _layer_kinds(kind: str, moe: bool, q_lora: bool) -> set[str]:
@@ -135,7 +39,7 @@ def _layer_kinds(kind: str, moe: bool, q_lora: bool) -> set[str]:
 def layer_graph(kind: str, moe: bool, q_lora: bool) -> tuple[Site, ...]:
     """The graph of one layer: its sites in execution order, inputs restricted to sites the layer has."""
     kinds = _layer_kinds(kind, moe, q_lora)
-    sites = [s for s in SITE_GRAPH if s.kind in kinds]
+    sites = [s for s in _ling3.SITE_GRAPH if s.kind in kinds]
     names = {s.name for s in sites}
     return tuple(dataclasses.replace(s, inputs=tuple(x for x in s.inputs if x in names)) for s in sites)
 
@@ -163,9 +67,9 @@ def site_of(cfg, i: int, name: str) -> Site:
 def site_class(site: str) -> str:
     """Numerics class of a site ('other' for an unknown name). A name shared by KDA and MLA layers
     (`attention.core`, `.gate`, `.g_proj`) has one class in both; the tensor dtype separates them where it matters."""
-    if site in MODEL_SITE_CLASSES:
-        return MODEL_SITE_CLASSES[site]
-    return next((s.cls for s in SITE_GRAPH if s.name == site), "other")
+    if site in _ling3.MODEL_SITE_CLASSES:
+        return _ling3.MODEL_SITE_CLASSES[site]
+    return next((s.cls for s in _ling3.SITE_GRAPH if s.name == site), "other")
 
 
 # MTP layer j's sites travel through the replay as model-level points (layer None) named "MTP{j}/<site>"; their
@@ -238,48 +142,12 @@ def step_group(k: int) -> str:
 # flattened [B*T, E] router logits and the twin's [B, T, E] land on the same dataset shape. Order of top-k ids is
 # canonicalised separately (ascending expert id per token, weights permuted alike): implementations may return
 # top-k unsorted (torch.topk(sorted=False)), and only the *set* and its weights carry meaning (DESIGN §6 routing).
-def canonical_shape(cfg, layer: int | None, site: str, batch: int, seq: int) -> tuple[tuple[int, ...], str] | None:
-    """(shape, shape_names) a site's tensor has in a dump, or None when the site keeps its natural [B,T,...] shape."""
-    B, T = batch, seq
-    H = cfg.num_attention_heads
-    if layer is None:
-        return None
-    kind = cfg.layer_kind(layer)
-    if kind == "kda":
-        d, P, W = cfg.head_dim, cfg.kda_proj_size, cfg.short_conv_kernel_size
-        table = {
-            "attention.gate": ((B, T, H, d), "B,T,H,K"),
-            "attention.beta": ((B, T, H), "B,T,H"),
-            "attention.core": ((B, T, H, d), "B,T,H,V"),
-            "attention.o_norm": ((B, T, H, d), "B,T,H,V"),
-            "attention.state": ((B, H, d, d), "B,H,K,V"),
-            "attention.conv_state": ((3, B, P, W), "QKV,B,P,W"),
-        }
-    else:
-        table = {
-            "attention.core": ((B, T, H * cfg.v_head_dim), "B,T,HV"),
-            "attention.dense:in": ((B, T, H * cfg.v_head_dim), "B,T,HV"),
-            "attention.gate": ((B, T, H), "B,T,H"),
-            # the built-in applies kv_b_proj on a [B,1,T,c] view; the twin on [B,T,c]
-            "attention.kv_b_proj": ((B, T, H * (cfg.qk_nope_head_dim + cfg.v_head_dim)), "B,T,HNV"),
-        }
-    k, E = cfg.num_experts_per_tok, cfg.num_experts
-    table.update(
-        {
-            "mlp.gate.logits": ((B, T, E), "B,T,E"),
-            "mlp.gate.topk_idx": ((B, T, k), "B,T,K"),
-            "mlp.gate.topk_weight": ((B, T, k), "B,T,K"),
-        }
-    )
-    return table.get(site)
-
-
 # ------------------------------------------------------------------------------------------ dataflow
 def site_inputs(kind: str, moe: bool, site: str, q_lora: bool | None = None) -> tuple[str, ...]:
     """Sites of the same layer that `site` is computed from (empty for `input` and unknown names). With q_lora None
     both MLA q-paths count as present (a given dump holds one of them)."""
     kinds = _layer_kinds(kind, moe, bool(q_lora)) | ({"mla/q_lora", "mla/no_q_lora"} if q_lora is None else set())
-    graph = [s for s in SITE_GRAPH if s.kind in kinds]
+    graph = [s for s in _ling3.SITE_GRAPH if s.kind in kinds]
     names = {s.name for s in graph}
     for s in graph:
         if s.name == site:

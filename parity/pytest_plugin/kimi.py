@@ -33,25 +33,11 @@ class KimiUnit:
     layer: int
 
 
-def dump_family(path: Path) -> str | None:
-    """The dump's root attr `family` (None for a Ling3 dump, which records none; None too for a file that is not a
-    readable dump: the Ling3 replay then reports it in its own one line)."""
-    try:
-        import h5py
-
-        with h5py.File(path, "r") as f:
-            fam = f.attrs.get("family")
-    except (OSError, ValueError):
-        return None
-    if fam is None:
-        return None
-    return fam.decode() if isinstance(fam, bytes) else str(fam)
-
-
 def is_kimi(path: Path) -> bool:
-    from parity.model.kimi_family import FAMILY
+    """Whether `path` is a Kimi Linear dump (`parity.model.families.of_dump`: its root attr `family`)."""
+    from parity.model.families import KIMI_LINEAR, of_dump
 
-    return dump_family(path) == FAMILY
+    return of_dump(path) == KIMI_LINEAR
 
 
 def kimi_units(paths: list[Path], labels: list[str], modes: list[str]) -> list[Any]:

@@ -1,4 +1,5 @@
-"""Capture hooks: the declarative per-runtime maps (module path -> canonical point) and the hook machinery.
+"""Capture hooks: the hook machinery over the declarative per-runtime maps (module path -> canonical point), which are
+Ling3's description (`parity.model.ling3_family.RUNTIME_MAPS`).
 
 Each runtime names its modules differently (DESIGN §3): the official file and the twin use the checkpoint's names
 (`model.layers.{i}.attention.q_proj`), transformers' built-in `bailing_hybrid` renames (`.self_attn.`, `o_proj` for
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import fnmatch
 import sys
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import ml_dtypes
@@ -41,79 +41,12 @@ from parity.model.mtp_points import MtpPoint, mtp_sites
 from parity.model.points import Point, canonical_shape, sites_for_config
 
 
-@dataclass(frozen=True)
-class TapSpec:
-    """One canonical point read from one module.
+# The module maps are Ling3's description (`parity.model.ling3_family`): this module hooks what they name, reading
+# them there at each capture, so a site added there is captured
+from parity.model import ling3_family as _ling3  # noqa: E402
+from parity.model.ling3_family import (OFFICIAL_KDA_DERIVED, OBSERVER_SITES, RUNTIME_MAPS,  # noqa: E402,F401
+                                       UNEXPOSED, TapSpec)
 
-    module: path relative to the model root, `{i}` = layer index (e.g. `model.layers.{i}.attention.q_proj`).
-    io: "output" (forward hook) or "input" (forward pre-hook, positional argument `index`).
-    index: element of a tuple output/input (None: the value itself).
-    kind / mlp: only for layers of that kind ("kda"/"mla") / that MLP ("moe"/"dense").
-    scope: per-layer specs only — "any" (main and MTP layers), "main" or "mtp".
-    method: read the return value of this method of the module instead of the module's output.
-    function: read the return value of this module-level function of the module's Python module, while the module runs.
-    mtp_calls: model-level only — the (1+j)-th call in one forward is MTP layer j's point (embedding, LM head).
-    transform: name in TRANSFORMS applied to the captured tensor (with the layer's attention module) before emission.
-    """
-
-    module: str
-    site: str
-    io: str = "output"
-    index: int | None = None
-    kind: str | None = None
-    mlp: str | None = None
-    scope: str = "any"
-    method: str | None = None
-    function: str | None = None
-    mtp_calls: bool = False
-    transform: str | None = None
-
-
-def _layer(site: str, rel: str, **kw) -> TapSpec:
-    return TapSpec(f"model.layers.{{i}}.{rel}", site, **kw)
-
-
-# Sites common to every runtime whose module tree follows the official checkpoint names (twin and official file).
-_OFFICIAL_NAMES: list[TapSpec] = [
-    TapSpec("model.word_embeddings", "embed", mtp_calls=True),
-    TapSpec("model.norm", "final_norm"),
-    TapSpec("lm_head", "logits", mtp_calls=True),
-    _layer("input", "", io="input", index=0, scope="main"),
-    _layer("output", "", index=0, scope="main"),
-    _layer("input_layernorm", "input_layernorm"),
-    _layer("attention", "attention", index=0),
-    _layer("post_attention_layernorm", "post_attention_layernorm"),
-    # KDA (facts §3); ShortConvolution returns (y, cache) in fla's convention (the twin's own conv too)
-    *[_layer(f"attention.{p}", f"attention.{p}", kind="kda") for p in ("q_proj", "k_proj", "v_proj", "f_proj",
-                                                                         "b_proj", "g_proj", "o_norm", "o_proj")],
-    *[_layer(f"attention.{c}", f"attention.{c}", kind="kda", index=0) for c in ("q_conv1d", "k_conv1d", "v_conv1d")],
-    # MLA (facts §4)
-    *[_layer(f"attention.{p}", f"attention.{p}", kind="mla") for p in ("q_a_proj", "q_a_layernorm", "q_b_proj",
-                                                                         "q_proj", "kv_a_proj_with_mqa",
-                                                                         "kv_a_layernorm", "kv_b_proj", "g_proj",
-                                                                         "dense")],
-    _layer("attention.dense:in", "attention.dense", io="input", index=0, kind="mla"),
-    # MLP (facts §5). The MoE block may return a tuple (the official one: `(y, (router_logits, topk_idx))`): `mlp` is
-    # element 0 (a plain tensor output is taken as is).
-    *[_layer(f"mlp.{p}", f"mlp.{p}", mlp="dense") for p in ("gate_proj", "up_proj", "down_proj")],
-    _layer("mlp.shared_experts", "mlp.shared_experts", mlp="moe"),
-    _layer("mlp", "mlp", index=0),
-    # MTP layer only (facts §2): enorm(embedding), hnorm(main hidden), eh_proj on their concatenation, final norm
-    *[_layer(s, s, scope="mtp") for s in ("enorm", "hnorm", "eh_proj", "final_layernorm")],
-    _layer("final_layernorm:in", "final_layernorm", io="input", index=0, scope="mtp"),
-]
-
-# The official file's own structure where it exposes points without taps: the gate returns (topk_idx, topk_weight,
-# logits) with flat [B*T, ...] shapes; `moe_infer` returns the routed experts' weighted sum [B*T, D]; the MLA calls
-# the module-global `eager_attention_forward`, whose output 0 is the attention output before the head gate
-# [B, T, H, v] (`attention.core`). The MLA head gate (an inline sigmoid) is not exposed.
-_OFFICIAL_STRUCTURE: list[TapSpec] = [
-    _layer("mlp.gate.topk_idx", "mlp.gate", index=0, mlp="moe"),
-    _layer("mlp.gate.topk_weight", "mlp.gate", index=1, mlp="moe"),
-    _layer("mlp.gate.logits", "mlp.gate", index=2, mlp="moe"),
-    _layer("mlp.routed", "mlp", method="moe_infer", mlp="moe"),
-    _layer("attention.core", "attention", function="eager_attention_forward", index=0, kind="mla"),
-]
 
 # Declared transforms: (captured tensor, the layer's attention module) -> the canonical point, computed as the
 # official code (or the kernel it calls) computes it. Read-only: new tensors, the module is not touched.
@@ -136,79 +69,11 @@ TRANSFORMS: dict[str, Callable[[torch.Tensor, torch.nn.Module], torch.Tensor]] =
     "kda_gate_in_kernel": _kda_gate_in_kernel,
 }
 
-# The official KDA under fla's real kernels: what the kernel computes inside and the code does not return, recovered
-# from what it does expose without changing its numerics (hooks only read). `attention.state` comes from the cache
-# (dump.py's snapshot). With the CPU stand-ins their observer reports these instead (OBSERVER_SITES).
-_OFFICIAL_KDA_DERIVED: list[TapSpec] = [
-    _layer("attention.core", "attention.o_norm", io="input", index=0, kind="kda"),  # o, before o_norm (facts §3.7)
-    _layer("attention.beta", "attention.b_proj", kind="kda", transform="beta_sigmoid_fp32"),
-    _layer("attention.gate", "attention.f_proj", kind="kda", transform="kda_gate_in_kernel"),
-]
-
-# The twin's parameter-free observation taps (parity/torch_ref/twin): points the official code computes inside kernels.
-_TWIN_TAPS: list[TapSpec] = [
-    *[_layer(f"attention.{s}", f"attention.tap_{s}", kind="kda") for s in ("gate", "beta", "core", "state",
-                                                                             "conv_state")],
-    _layer("attention.core", "attention.tap_core", kind="mla"),
-    _layer("attention.gate", "attention.tap_gate", kind="mla"),
-    _layer("mlp.gate.logits", "mlp.gate.tap_logits", mlp="moe"),
-    _layer("mlp.gate.topk_idx", "mlp.gate.tap_topk_idx", mlp="moe"),
-    _layer("mlp.gate.topk_weight", "mlp.gate.tap_topk_weight", mlp="moe"),
-    _layer("mlp.routed", "mlp.tap_routed", mlp="moe"),
-]
-
-# transformers 5.23 built-in bailing_hybrid (modeling_bailing_hybrid.py): renamed modules, merged conv (not a module
-# call: no conv points), gate/beta/core computed inline.
-_NATIVE: list[TapSpec] = [
-    TapSpec("model.embed_tokens", "embed"),
-    TapSpec("model.norm", "final_norm"),
-    TapSpec("lm_head", "logits"),
-    _layer("input", "", io="input", index=0),
-    _layer("output", "", index=0),
-    _layer("input_layernorm", "input_layernorm"),
-    _layer("attention", "self_attn", index=0),
-    _layer("post_attention_layernorm", "post_attention_layernorm"),
-    *[_layer(f"attention.{p}", f"self_attn.{p}", kind="kda") for p in ("q_proj", "k_proj", "v_proj", "b_proj",
-                                                                         "g_proj", "o_norm", "o_proj")],
-    _layer("attention.f_proj", "self_attn.forget_gate.f_proj", kind="kda"),
-    _layer("attention.gate", "self_attn.forget_gate", kind="kda"),
-    _layer("attention.core", "self_attn.o_norm", io="input", index=0, kind="kda"),
-    *[_layer(f"attention.{p}", f"self_attn.{p}", kind="mla") for p in ("q_proj", "kv_a_proj_with_mqa",
-                                                                         "kv_a_layernorm", "kv_b_proj", "g_proj")],
-    _layer("attention.dense", "self_attn.o_proj", kind="mla"),
-    _layer("attention.dense:in", "self_attn.o_proj", io="input", index=0, kind="mla"),
-    *[_layer(f"mlp.{p}", f"mlp.{p}", mlp="dense") for p in ("gate_proj", "up_proj", "down_proj")],
-    _layer("mlp.gate.logits", "mlp.gate", index=0, mlp="moe"),
-    _layer("mlp.gate.topk_weight", "mlp.gate", index=1, mlp="moe"),
-    _layer("mlp.gate.topk_idx", "mlp.gate", index=2, mlp="moe"),
-    _layer("mlp.routed", "mlp.experts", mlp="moe"),
-    _layer("mlp.shared_experts", "mlp.shared_experts", mlp="moe"),
-    _layer("mlp", "mlp"),
-]
-
-RUNTIME_MAPS: dict[str, list[TapSpec]] = {
-    "twin": _OFFICIAL_NAMES + _TWIN_TAPS,
-    # + KDA gate/beta/core/state from the fla CPU stand-ins' observer, when installed
-    "official": _OFFICIAL_NAMES + _OFFICIAL_STRUCTURE,
-    "native": _NATIVE,
-}
-
-# Why a map lacks a site (recorded with the site in the dump's unavailable table).
-UNEXPOSED = {  # (map, layer kind, site) -> reason
-    ("official", "mla", "attention.gate"): "the official MLA computes its head gate as an inline sigmoid of g_proj (no "
-                                           "module, method or function call to read it from)",
-}
-
-# Sites read from fla_cpu's KDA observer (official file on CPU): observer key -> site.
-OBSERVER_SITES = {"gate": "attention.gate", "beta": "attention.beta", "core": "attention.core",
-                  "state": "attention.state"}
-
-
 def map_specs(map_name: str, observer: bool) -> list[TapSpec]:
     """The specs a capture uses: the runtime's map, plus the official KDA's derived points where the stand-ins'
     observer does not report them (fla's real kernels)."""
-    specs = RUNTIME_MAPS[map_name]
-    return specs + _OFFICIAL_KDA_DERIVED if map_name == "official" and not observer else specs
+    specs = _ling3.RUNTIME_MAPS[map_name]
+    return specs + _ling3.OFFICIAL_KDA_DERIVED if map_name == "official" and not observer else specs
 
 
 def runtime_map_name(model: torch.nn.Module, runtime: str) -> str:
@@ -295,7 +160,7 @@ class Capture:
             if "{i}" in spec.module and self._applies(spec, layer):
                 out.add(spec.site)
         if self.map_name == "official" and self.cfg.layer_kind(layer) == "kda" and _observer_available():
-            out |= set(OBSERVER_SITES.values())
+            out |= set(_ling3.OBSERVER_SITES.values())
         return out
 
     def unavailable_sites(self, layer: int) -> list[str]:
@@ -312,7 +177,7 @@ class Capture:
         """Why layer `layer`'s `site` is not provided (MTP layers, numbered from N on, are MLA layers: facts §2)."""
         n = self.cfg.num_hidden_layers
         kind = None if layer is None else ("mla" if layer >= n else self.cfg.layer_kind(layer))
-        return UNEXPOSED.get((self.map_name, kind, site), f"the {self.map_name} runtime does not expose {site}")
+        return _ling3.UNEXPOSED.get((self.map_name, kind, site), f"the {self.map_name} runtime does not expose {site}")
 
     def _applies(self, spec: TapSpec, i: int) -> bool:
         mtp = i >= self.cfg.num_hidden_layers
@@ -500,7 +365,7 @@ class Capture:
             i = self._current_kda_layer
             if i is None:
                 return
-            for key, site in OBSERVER_SITES.items():
+            for key, site in _ling3.OBSERVER_SITES.items():
                 if key in d and d[key] is not None and self.wants(i, site):
                     self.emit(i, site, d[key], module=f"fla_cpu:{key}", io="output")
 

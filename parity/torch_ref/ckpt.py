@@ -372,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
                                  "twin remote code) — deterministic: same arguments, byte-identical directory.")
     from parity.torch_ref.kimi_ckpt import KIMI_PRESETS
 
-    ap.add_argument("--family", choices=("ling3", "kimi-linear"), default="ling3",
+    from parity.model import families
+
+    ap.add_argument("--family", choices=[f.make_ckpt for f in families.FAMILIES], default="ling3",
                     help="ling3 (default): the official layout with the twin's remote code; kimi-linear: "
                          "transformers' built-in KimiLinearForCausalLM written by its save_pretrained (issue 34)")
     ap.add_argument("--preset", required=True, choices=sorted(set(CKPT_PRESETS) | set(KIMI_PRESETS)),
@@ -401,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     fk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any Ling3 config field, VALUE as JSON (null, -5.0, [1.0, 2.0], true); repeatable")
     a = ap.parse_args(argv)
-    if a.family == "kimi-linear":
+    if families.by_make_ckpt(a.family) == families.KIMI_LINEAR:
         return _main_kimi(a)
     if a.keep_layers is not None:
         print("make_ckpt: error: --keep-layers is a Kimi Linear option (--family kimi-linear); for Ling3 --layers N "
