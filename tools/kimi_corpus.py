@@ -3,9 +3,10 @@ seeded tiny checkpoints, every site in layer (with decode steps), isolated and f
 under the family's rules (Ling3's calibrated rules with parity/numerics/kimi_linear.toml first).
 
     python tools/kimi_corpus.py [--seeds 1-8] [--T 70] [--decode-steps 2] [--dtypes float32,bfloat16]
-        [--modes layer,isolated,free] [--ling3-rules] [--jsonl OUT]
+        [--modes layer,isolated,free] [--grads] [--ling3-rules] [--jsonl OUT]
 
-Prints per (site, mode, dtype): rows, how many did not pass, the worst largest |Δ| / row RMS (where) and rel-L2.
+`--grads` also judges one training step's backward in layer mode (each layer's input and parameter gradients, as a
+`--grads` dump is judged). Prints per (site, mode, dtype): rows, how many did not pass, the worst largest |Δ| / row RMS (where) and rel-L2.
 `--ling3-rules` judges under Ling3's rules alone (what the overlay was set from). Exits 1 if any row did not pass.
 """
 
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-steps", type=int, default=2, help="decode steps judged in layer mode (default 2)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--modes", default="layer,isolated,free")
+    ap.add_argument("--grads", action="store_true", help="also the backward of one training step (layer mode)")
     ap.add_argument("--ling3-rules", action="store_true", help="judge under Ling3's rules alone (no family overlay)")
     ap.add_argument("--jsonl", default=None, metavar="OUT", help="also write every row to OUT (JSON lines)")
     a = ap.parse_args(argv)
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for r in corpus_rows(_seeds(a.seeds), tuple(a.dtypes.split(",")), tuple(a.modes.split(",")), a.T,
-                         a.decode_steps, rules=default_rules() if a.ling3_rules else None):
+                         a.decode_steps, rules=default_rules() if a.ling3_rules else None, grads=a.grads):
         rows.append(r)
         if r["status"] not in ("pass", "variant"):
             print(f"  not passed: seed {r['seed']} {r['dtype']} {r['mode']} L{r['layer']} {r['site']}: {r['status']} "

@@ -14,16 +14,19 @@ from typing import Any, Iterator
 
 def corpus_rows(seeds: list[int], dtypes: tuple[str, ...] = ("float32", "bfloat16"),
                 modes: tuple[str, ...] = ("layer", "isolated", "free"), T: int = 70, decode_steps: int = 2,
-                preset: str = "tiny", rules: Any = None) -> Iterator[dict[str, Any]]:
+                preset: str = "tiny", rules: Any = None, grads: bool = False) -> Iterator[dict[str, Any]]:
     """One row per (seed, dtype, mode, layer, site) of the reference judged against the built-in (`check`'s
     verdicts, under `rules`: default the family's, `kimi_family.rules()`): status, largest |Δ| / RMS of its row,
     greatest ULP distance after the rule's floor, rel-L2. Decode steps are judged in layer mode (site
-    `decode k/site`)."""
+    `decode k/site`); with `grads`, one training step's backward too (sites `backward/input`,
+    `backward/grad.<param>`: the reference's layer VJP fed the built-in's output cotangent, as a `--grads` dump is
+    judged, `check.dumped_grad_verdicts`)."""
     import torch
 
-    from parity.jax_kimi.check import decode_verdicts, free_verdicts, isolated_verdicts, layer_verdicts
+    from parity.jax_kimi.check import (decode_verdicts, dumped_grad_verdicts, free_verdicts, isolated_verdicts,
+                                       layer_verdicts)
     from parity.torch_ref.kimi_ckpt import kimi_model
-    from parity.torch_ref.kimi_dump import capture_steps
+    from parity.torch_ref.kimi_dump import _numpy, capture_backward, capture_steps
 
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     for seed in seeds:
@@ -34,6 +37,8 @@ def corpus_rows(seeds: list[int], dtypes: tuple[str, ...] = ("float32", "bfloat1
             model = base.to(tdt[dtype])
             steps = capture_steps(model, ids, T)
             sd = model.state_dict()
+            backward = {k: _numpy(v) for k, v in capture_backward(model, ids[:, :T]).items()} \
+                if grads and "layer" in modes else None
             free = iter(free_verdicts(sd, cfg, steps[0], dtype, jit=True, rules=rules)) if "free" in modes else None
             for i in range(cfg.num_hidden_layers):
                 for mode in modes:
@@ -41,6 +46,9 @@ def corpus_rows(seeds: list[int], dtypes: tuple[str, ...] = ("float32", "bfloat1
                         verdicts = layer_verdicts(sd, cfg, steps[0], i, dtype, jit=True, rules=rules)[0]
                         for k, step in enumerate(decode_verdicts(sd, cfg, steps, i, dtype, rules=rules), start=1):
                             verdicts = verdicts | {f"decode {k}/{s}": r for s, r in step.items()}
+                        if backward is not None:
+                            verdicts = verdicts | dumped_grad_verdicts(sd, cfg, steps[0], backward, i, dtype,
+                                                                       rules=rules)
                     elif mode == "isolated":
                         verdicts = isolated_verdicts(sd, cfg, steps[0], i, dtype, rules=rules)
                     else:
@@ -58,7 +66,7 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     |Δ| / row RMS and rel-L2 over the rows, how many rows and how many did not pass."""
     out: dict[tuple[str, str, str], dict[str, Any]] = {}
     for r in rows:
-        site = r["site"].split("/")[-1].split(" ")[0]
+        site = r["site"].split("/", 1)[1] if r["site"].startswith("decode ") else r["site"]  # backward/... kept
         k = (site, r["mode"], r["dtype"])
         s = out.setdefault(k, {"site": site, "mode": r["mode"], "dtype": r["dtype"], "n": 0, "not_passed": 0,
                                "worst_diff_rms": 0.0, "worst_rel_l2": 0.0, "worst_at": ""})
