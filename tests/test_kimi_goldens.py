@@ -66,6 +66,21 @@ def test_a_planted_bug_fails_at_its_site(golden, tmp_path):
     assert "HERE ▶" in page and "prefill/L00/attention.gate" in page
 
 
+def test_an_fp32_and_bf16_pair_is_triaged(tmp_path):
+    """Both goldens (one checkpoint, fp32 and bf16) with the planted gate bug in one run: their reports carry the
+    per-site triage, which calls the bug semantic (it fails the fp32 dump too: the formula differs), first at layer 0's
+    `attention.gate`, and the terminal says so."""
+    import json
+
+    r = _pytest(*[a for g in KIMI_GOLDEN for a in ("--parity-dump", str(KIMI_DUMPS / g.file))], "--parity-target",
+                "parity.targets.kimi:KimiPlantedGateActivation", "-k", "layer_0", reports=tmp_path)
+    assert r.returncode == 1 and "first semantic  (fails on the fp32 dump" in r.stdout, r.stdout[-3000:]
+    for g in KIMI_GOLDEN:
+        tri = json.loads((tmp_path / g.file.removesuffix(".h5") / "report.json").read_text())["triage"]
+        sem = tri["first_semantic"]
+        assert (sem["layer"], sem["site"]) == (0, "attention.gate") and tri["first_precision"] is None
+
+
 class PartialKimiTarget(KimiReferenceTarget):
     """A port that returns only `attention` and `mlp` besides its output (as docs/porting.md's Kimi example does)."""
 

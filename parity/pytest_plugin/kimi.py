@@ -180,15 +180,20 @@ def site_records(unit: KimiUnit, verdicts: dict[str, Any]) -> list[dict[str, Any
 def reports(records: list[dict[str, Any]], target: str) -> dict[str, dict[str, Any]]:
     """{mode: report.json} of one Kimi dump's records: Ling3's report (`parity.reporting.report.build_report`) over
     the family's site graph (`kimi_family.KimiGraph`: execution order, first divergence and its source), with
-    `family: kimi_linear`."""
+    `family: kimi_linear` and the dump's identity (checkpoint fingerprint, dtype: an fp32 and a bf16 dump of one
+    checkpoint in one run are triaged together, as Ling3's are)."""
+    from parity.dumpfile import DumpReader
     from parity.model.kimi_family import FAMILY, KimiGraph
+    from parity.replay.session import dump_identity
     from parity.reporting.report import build_report
 
     by_mode: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         by_mode.setdefault(r["mode"], []).append(r)
+    with DumpReader(records[0]["dump"]) as d:
+        ident = dump_identity(d)  # which dumps an fp32 + bf16 triage pairs (`parity.reporting.triage`)
     return {mode: build_report(KimiGraph(), recs, dump=recs[0]["dump"], target=target, mode=mode,
-                               extra={"family": FAMILY})
+                               extra={"family": FAMILY, **ident})
             for mode, recs in sorted(by_mode.items(), key=lambda kv: KIMI_MODES.index(kv[0]))}
 
 

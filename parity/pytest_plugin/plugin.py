@@ -595,14 +595,22 @@ def _write_kimi_reports(config: pytest.Config) -> None:
     from parity.reporting.report import write_reports
 
     lines = []
+    built = []
     target = config.getoption("--parity-target") or "reference"
     for label, recs in sorted(_KIMI_RECORDS.items()):
         reps = kimi.reports(recs, target)
         for mode, rep in reps.items():
             out = Path(config.getoption("--parity-report")) / label / (mode if len(reps) > 1 else "")
             rep["report_dir"] = str(out)
-            write_reports(rep, out)
+            built.append((rep, write_reports(rep, out)))
             lines += [kimi.summary_line(label, rep), f"  report: {out / 'report.html'}"]
+    _triage(built)  # an fp32 + bf16 pair of one checkpoint: semantic vs precision, per site (as for Ling3)
+    for rep, _ in built:  # a pair's triage is in both its reports: said once, with the bf16 one
+        if rep.get("dump_dtype") == "bfloat16" and (tri := rep.get("triage")) and (
+                tri.get("first_semantic") or tri.get("first_precision")):
+            from parity.reporting.report import triage_lines
+
+            lines += [f"{rep['mode']} mode:"] + triage_lines(tri)
     config._parity_kimi_lines = lines
 
 
