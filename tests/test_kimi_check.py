@@ -79,9 +79,10 @@ def test_dump_then_judge_from_the_dump(ckpt, tmp_path, capsys, monkeypatch):
     assert main([str(ckpt), "--from-dump", str(dump)]) == 0
     assert _site_lines(capsys.readouterr().out) == live
     with DumpReader(dump) as d:
-        # every judged site of the tiny model's 4 layers, plus each layer's input, its MLP's input and 2 routers' ids
+        # every judged site of the tiny model's 4 layers, plus each layer's input, its MLP's input and 2 routers' ids,
+        # and the 3 model-level sites (the embedding, the final norm, the logits)
         n_judged = sum(len(_verdict_sites("\n".join(live), i)) - 1 for i in range(4))  # less the teacher-forced MLP
-        assert d.meta["family"] == "kimi_linear" and len(d.points()) == n_judged + 4 * 2 + 2
+        assert d.meta["family"] == "kimi_linear" and len(d.points()) == n_judged + 4 * 2 + 2 + 3
         with pytest.raises(DumpError, match="tools/kimi_check.py"):  # pytest parity's way in: one line
             d.config
     from parity.jax_kimi import kda

@@ -30,9 +30,10 @@ def _pytest(*args: str, reports: Path | None = None) -> subprocess.CompletedProc
 
 def test_goldens_replay_clean_in_every_mode():
     r = _pytest("--parity-mode", "layer,isolated,free")
-    n = 2 * 3 * 4  # two goldens, three modes, four layers
+    n = 2 * 3 * (4 + 1)  # two goldens, three modes, four layers and the model-level sites
     assert r.returncode == 0 and f"{n} passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "kimi-tiny-bf16/isolated/layer_3" in _pytest("--parity-mode", "layer,isolated,free", "--co").stdout
+    listed = _pytest("--parity-mode", "layer,isolated,free", "--co").stdout
+    assert "kimi-tiny-bf16/isolated/layer_3" in listed and "kimi-tiny-fp32/free/model" in listed
 
 
 @pytest.mark.parametrize("golden", [g.file for g in KIMI_GOLDEN])
@@ -170,6 +171,50 @@ def test_catalogue_bug_fails_first_at_its_site(name, golden, monkeypatch):
     assert failing and failing[0] == want, f"{name} ({golden.dtype}): first failing {failing[:3]}, expected {want}"
 
 
+# Porting bugs of the model-level sites (issue 34: the embedding, final norm and head a port writes itself), planted
+# into the built-in's weights or config as the reference reads them; each fails first at the site that computes what
+# it breaks (`kimi_family.MODEL_SITES` order), the sites before it pass, in fp32 and bf16.
+def _tied_head(sd, cfg):  # logits from the embedding table (tie_word_embeddings assumed; the checkpoint has a head)
+    return {**sd, "lm_head.weight": sd["model.embed_tokens.weight"]}, cfg
+
+
+def _final_norm_unweighted(sd, cfg):  # the final norm's weight not loaded (left at its init, ones)
+    import torch
+
+    return {**sd, "model.norm.weight": torch.ones_like(sd["model.norm.weight"])}, cfg
+
+
+def _embedding_offset(sd, cfg):  # ids looked up one row off (a vocabulary offset)
+    import torch
+
+    return {**sd, "model.embed_tokens.weight": torch.roll(sd["model.embed_tokens.weight"], 1, 0)}, cfg
+
+
+MODEL_BUGS = {"tied_head": (_tied_head, "logits"), "final_norm_unweighted": (_final_norm_unweighted, "final_norm"),
+              "embedding_offset": (_embedding_offset, "embed")}
+
+
+@pytest.mark.parametrize("golden", KIMI_GOLDEN, ids=[g.dtype for g in KIMI_GOLDEN])
+@pytest.mark.parametrize("name", sorted(MODEL_BUGS))
+def test_model_level_bug_fails_first_at_its_site(name, golden):
+    from parity.jax_kimi.check import model_verdicts
+    from parity.model.kimi_family import MODEL_SITES
+    from parity.torch_ref.kimi_ckpt import load_kimi_model
+    from parity.torch_ref.kimi_dump import read_kimi_dump
+
+    ckpt = ROOT / "dumps" / "ckpt" / "kimi-tiny"
+    steps, ids, _ = read_kimi_dump(KIMI_DUMPS / golden.file, ckpt)
+    model = load_kimi_model(ckpt, golden.dtype)
+    plant, want = MODEL_BUGS[name]
+    clean = model_verdicts(model.state_dict(), model.config, steps, ids, golden.dtype, "layer")
+    assert clean and all(r.status == "pass" for r in clean.values()), {s: r.status for s, r in clean.items()}
+    sd, cfg = plant(model.state_dict(), model.config)
+    v = model_verdicts(sd, cfg, steps[:1], ids, golden.dtype, "layer")
+    order = [s.site for s in MODEL_SITES]
+    failing = [s for s in order if v[s].status == "fail"]
+    assert failing and failing[0] == want, f"{name} ({golden.dtype}): failing {failing}, expected {want} first"
+
+
 def test_dump_hf_writes_the_same_kimi_dump(tmp_path, monkeypatch, capsys):
     """`tools/dump_hf.py` on a Kimi Linear checkpoint (config.json `model_type: kimi_linear`) dumps transformers'
     built-in with the same capture as `tools/kimi_check.py --dump`: the bf16 golden's arguments give the golden."""
@@ -215,7 +260,7 @@ def test_a_bf16_checkpoint_dumped_in_fp32_replays_clean(tmp_path):
     out = tmp_path / "k32.h5"
     assert main([str(ckpt), "--out", str(out), "--dtype", "fp32", "--prompt-len", "40", "--decode-steps", "1"]) == 0
     r = _pytest("--parity-dump", str(out), "--parity-ckpt", str(ckpt))
-    assert r.returncode == 0 and "4 passed" in r.stdout, r.stdout[-3000:]
+    assert r.returncode == 0 and "5 passed" in r.stdout, r.stdout[-3000:]  # four layers and the model-level sites
 
 
 def test_a_grads_dump_replays_its_backward_and_a_backward_only_bug_fails_there(tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ def test_the_site_graph_is_in_execution_order():
 def test_inputs_follow_the_description():
     g = KimiGraph()
     assert g.point_inputs(Point("prefill", 0, 2, "input")) == [Point("prefill", 0, 1, "output")]
-    assert g.point_inputs(Point("prefill", 0, 0, "input")) == []
+    assert g.point_inputs(Point("prefill", 0, 0, "input")) == [Point("prefill", 0, None, "embed")]
     assert [p.site for p in g.point_inputs(Point("decode", 1, 3, "attention.q_b_proj"))] == ["attention.q_a_layernorm"]
     assert {p.site for p in g.point_inputs(Point("prefill", 0, 0, "output"))} == {"input", "attention", "mlp"}
 
@@ -65,3 +65,15 @@ def test_backward_points_after_the_forward_last_layer_first():
     ordered = [(r["phase"], r["layer"], r["site"]) for r in sorted(recs, key=lambda r: order_key(g, r))]
     assert ordered == [("prefill", 0, "output"), ("backward", 3, "grad.mlp.experts.0.w1.weight"),
                        ("backward", 3, "input"), ("backward", 0, "input")]
+
+
+def test_model_level_sites_embed_first_head_last():
+    g = KimiGraph(num_layers=4)
+    recs = [_rec(None, "logits", "fail"), _rec(3, "output"), _rec(None, "embed"), _rec(0, "input_layernorm"),
+            _rec(None, "final_norm", "fail")]
+    ordered = [(r["layer"], r["site"]) for r in sorted(recs, key=lambda r: order_key(g, r))]
+    assert ordered == [(None, "embed"), (0, "input_layernorm"), (3, "output"), (None, "final_norm"), (None, "logits")]
+    fd = first_divergence(g, recs)
+    assert fd["site"] == "final_norm" and fd["source"]["site"] == "final_norm"
+    assert g.point_inputs(Point("prefill", 0, None, "final_norm")) == [Point("prefill", 0, 3, "output")]
+    assert g.point_inputs(Point("prefill", 0, 0, "input")) == [Point("prefill", 0, None, "embed")]

@@ -8,7 +8,8 @@ CKPT: a Kimi Linear checkpoint (`tools/make_ckpt.py --family kimi-linear --prese
 transformers' own loader in `--dtype` with eager attention and experts. One prompt of T random token ids (seeded) runs
 through the built-in; every decoder layer of the JAX reference is fed the built-in's layer input and judged at each
 site under Ling3's calibrated layer-mode rules (`parity.jax_kimi.check`), jitted with the reference's XLA options,
-MoE layers routed to the built-in's experts. Prints one line per layer and site (pass, or the verdict's message) and
+MoE layers routed to the built-in's experts; then the model-level sites (the embedding, the final norm on the last
+layer's output, the head on the final norm). Prints one line per layer and site (pass, or the verdict's message) and
 how many tokens the JAX router alone routes elsewhere; exits 1 if any site fails, 2 on bad input. `--dump` also
 writes the built-in's sites as a Kimi dump (the dump schema of DESIGN §4, `parity.torch_ref.kimi_dump`);
 `--from-dump` judges against such a dump without running the built-in (its fingerprint must be CKPT's). `--target`
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     try:
         failed = _judge_layers(model, steps, dtype, a.mode, a.conv_kernel, T, target, ids if a.grads else None,
-                               a.seed)
+                               a.seed, ids=ids)
     except ParityError as e:
         print(f"kimi_check: error: {e}", file=sys.stderr)
         return 2
@@ -117,17 +118,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _judge_layers(model, steps: list, dtype: str, mode: str, conv_kernel: str, T: int, target=None, grad_ids=None,
-                  seed: int = 0) -> int:
-    """Print every layer's verdicts in `mode` (pass, variant or FAIL: `parity.jax_kimi.check.SiteResult`); the
-    number of failed sites."""
-    from parity.jax_kimi.check import decode_verdicts, free_verdicts, grad_verdicts, isolated_verdicts, layer_verdicts
+                  seed: int = 0, ids=None) -> int:
+    """Print every layer's verdicts in `mode` (pass, variant or FAIL: `parity.jax_kimi.check.SiteResult`), then the
+    model-level sites' (the embedding, the final norm, the head; the reference only, with `ids`); the number of
+    failed sites."""
+    from parity.jax_kimi.check import (decode_verdicts, free_verdicts, grad_verdicts, isolated_verdicts,
+                                       layer_verdicts, model_verdicts)
 
     sites = steps[0]
 
     cfg = model.config
     sd = model.state_dict()
+    ids_np = None if ids is None else (ids.numpy() if hasattr(ids, "numpy") else ids)
     if mode == "free":
-        per_layer = iter(free_verdicts(sd, cfg, sites, dtype, conv_kernel, jit=True))
+        free = free_verdicts(sd, cfg, sites, dtype, conv_kernel, jit=True, ids=None if target else ids_np)
+        per_layer = iter(free)
     failed = 0
     for i in range(cfg.num_hidden_layers):
         kind = f"{'KDA' if cfg.layer_types[i] == 'linear_attention' else 'MLA'}+{cfg.mlp_layer_types[i]}"
@@ -147,18 +152,31 @@ def _judge_layers(model, steps: list, dtype: str, mode: str, conv_kernel: str, T
         if len(steps) > 1 and mode == "layer" and target is None:
             for k, step in enumerate(decode_verdicts(sd, cfg, steps, i, dtype, conv_kernel), start=1):
                 verdicts = verdicts | {f"decode {k}/{s}": r for s, r in step.items()}
-        for site, res in verdicts.items():
-            v = res.verdict
-            failed += res.status == "fail"
-            if res.status == "not provided":
-                print(f"layer {i} {kind} {site}: not provided by the target", flush=True)
-            elif res.status == "pass":
-                print(f"layer {i} {kind} {site}: pass (bit-exact {v.frac_exact:.1%}, max {v.max_ulp} ULP)", flush=True)
-            elif res.status == "variant":
-                e = res.precision
-                print(f"layer {i} {kind} {site}: variant, more precise than the reference (error vs the fp32 shadow "
-                      f"{e['ratio']:.4f}x the built-in's, allowed {e['allowed_ratio']}; bit-exact {v.frac_exact:.1%})",
-                      flush=True)
-            else:
-                print(f"layer {i} {kind} {site}: FAIL\n    " + res.message().replace("\n", "\n    "), flush=True)
+        failed += _print_verdicts(f"layer {i} {kind}", verdicts)
+    if target is None and ids_np is not None and (None, "logits") in sites:
+        if mode == "free":
+            verdicts = free[cfg.num_hidden_layers][0]
+        else:
+            verdicts = model_verdicts(sd, cfg, steps if mode == "layer" else steps[:1], ids_np, dtype, mode)
+        failed += _print_verdicts("model", verdicts)
+    return failed
+
+
+def _print_verdicts(where: str, verdicts: dict) -> int:
+    """One line per site (pass, variant, not provided, or FAIL with its message); the number that failed."""
+    failed = 0
+    for site, res in verdicts.items():
+        v = res.verdict
+        failed += res.status == "fail"
+        if res.status == "not provided":
+            print(f"{where} {site}: not provided by the target", flush=True)
+        elif res.status == "pass":
+            print(f"{where} {site}: pass (bit-exact {v.frac_exact:.1%}, max {v.max_ulp} ULP)", flush=True)
+        elif res.status == "variant":
+            e = res.precision
+            print(f"{where} {site}: variant, more precise than the reference (error vs the fp32 shadow "
+                  f"{e['ratio']:.4f}x the built-in's, allowed {e['allowed_ratio']}; bit-exact {v.frac_exact:.1%})",
+                  flush=True)
+        else:
+            print(f"{where} {site}: FAIL\n    " + res.message().replace("\n", "\n    "), flush=True)
     return failed

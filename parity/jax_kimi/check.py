@@ -112,7 +112,7 @@ class SiteResult:
         return msg
 
 
-def _judge(pairs: dict[str, tuple[Any, Any]], i: int, dtype: str, mode: str,
+def _judge(pairs: dict[str, tuple[Any, Any]], i: int | None, dtype: str, mode: str,
            shadow: Callable[[], dict[str, Any]] | None = None, rules: Any = None) -> dict[str, SiteResult]:
     """{site: SiteResult} of (reference, test) pairs under `rules` (default the family's: Ling3's calibrated rules
     with Kimi's overlay, `kimi_family.rules()`) for `mode`, as a replay picks them: by the site, the reference
@@ -130,7 +130,7 @@ def _judge(pairs: dict[str, tuple[Any, Any]], i: int, dtype: str, mode: str,
         if r.shape != t.shape and r.size == t.size:
             t = t.reshape(r.shape)
         rule = rules.rule_for(site.split(" ")[0], mode, tdt, dtype)
-        res = SiteResult(compare(r, t, rule, name=f"L{i}/{site}", dtype=tdt))
+        res = SiteResult(compare(r, t, rule, name=f"L{i}/{site}" if i is not None else f"model/{site}", dtype=tdt))
         if not res.verdict.passed and shadow is not None and dtype == "bfloat16" and rule.precision_ratio is not None:
             shadows = shadow() if shadows is None else shadows  # computed once, for the first failing site
             if site in shadows:
@@ -245,11 +245,12 @@ def isolated_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], An
 
 
 def free_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], dtype: str,
-                  conv_kernel: str = "torch", jit: bool = False, rules: Any = None
+                  conv_kernel: str = "torch", jit: bool = False, rules: Any = None, ids: Any = None
                   ) -> list[tuple[dict[str, Any], int | None]]:
     """Free mode: the JAX layers chained from the built-in's layer-0 input, each fed the previous JAX layer's output
     and routed by its own router (nothing forced), judged at every layer under the rules of free replay; per layer
-    ({site: Verdict}, routing flips or None)."""
+    ({site: Verdict}, routing flips or None). With the prompt's `ids` and model-level sites in `sites`, one element
+    more: the model-level verdicts (`model_verdicts`: the final norm and the head on the chain's own output)."""
     import jax.numpy as jnp
 
     from parity.jax_kimi.layer import decoder_layer, decoder_layer_jit
@@ -269,6 +270,46 @@ def free_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any], 
             flips = routing_flips(np.asarray(sites[(i, "mlp.gate.topk_idx")]), pts["mlp.gate.topk_idx"])
         out.append((_judge(pairs, i, dtype, "free", rules=rules), flips))
         x = y
+    if ids is not None and (None, "logits") in sites:
+        out.append((model_verdicts(state_dict, cfg, [sites], ids, dtype, "free", rules=rules, final_outputs=[x]),
+                    None))
+    return out
+
+
+def model_verdicts(state_dict: Any, cfg: Any, steps: list[dict[tuple[int | None, str], Any]], ids: Any,
+                   dtype: str, mode: str, rules: Any = None, final_outputs: list[Any] | None = None
+                   ) -> dict[str, SiteResult]:
+    """The model-level sites (`kimi_family.MODEL_SITES`) of each step in `steps` ([prefill sites, decode step 1
+    sites, ...]; `ids` [1, prompt + steps - 1] the tokens): `embed` = the embedding table at the step's ids,
+    `final_norm` = the final RMSNorm (`KimiLinearRMSNorm`, as the layers' norms) of the last layer's output — the
+    built-in's (layer, isolated mode) or the JAX chain's own (`final_outputs`, free mode) —, `logits` = the head
+    (`lm_head`, a bias-free linear in the dtype: fp32 sums rounded once) on the built-in's final norm, or on the JAX
+    one in free mode. Decode steps' sites are `decode k/<site>`. A dump made before model-level sites gives {}."""
+    import jax.numpy as jnp
+
+    from parity.jax_ling3.norms import rms_norm
+    from parity.jax_ling3.ops import linear
+
+    jdt = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    table = jnp.asarray(as_f32(state_dict["model.embed_tokens.weight"]), jdt)
+    w_norm = jnp.asarray(as_f32(state_dict["model.norm.weight"]), jdt)
+    head = jnp.asarray(as_f32(state_dict["lm_head.weight"]), jdt).T  # [D, V]: JAX layout
+    last = cfg.num_hidden_layers - 1
+    ids = np.asarray(ids).reshape(1, -1)
+    prompt = ids.shape[1] - (len(steps) - 1) if final_outputs is None else None
+    out: dict[str, SiteResult] = {}
+    for k, sites in enumerate(steps):
+        if (None, "logits") not in sites:
+            continue
+        n = sites[(None, "embed")].shape[1]
+        tok = ids[:, :n] if k == 0 else ids[:, prompt + k - 1:prompt + k]
+        own = final_outputs is not None
+        x = final_outputs[k] if own else jnp.asarray(as_f32(sites[(last, "output")]), jdt)
+        fn = rms_norm(x, w_norm, cfg.rms_norm_eps)
+        fn_in = fn if own else jnp.asarray(as_f32(sites[(None, "final_norm")]), jdt)
+        got = {"embed": table[jnp.asarray(tok)], "final_norm": fn, "logits": linear(fn_in, head)}
+        res = _judge({s: (sites[(None, s)], v) for s, v in got.items()}, None, dtype, mode, rules=rules)
+        out |= {(f"decode {k}/{s}" if k else s): r for s, r in res.items()}
     return out
 
 

@@ -87,6 +87,17 @@ SITES: tuple[KimiSite, ...] = (
 )
 
 
+# Model-level sites (layer None; DESIGN §3's names): the embedding's output, the final norm's and the head's logits.
+# `module` is relative to the model root (`KimiLinearForCausalLM`); `inputs` name the model-level sites or, as
+# "last_layer/<site>", the last decoder layer's site they are computed from.
+MODEL_SITES: tuple[KimiSite, ...] = (
+    KimiSite("embed", "model.embed_tokens"),
+    KimiSite("final_norm", "model.norm", inputs=("last_layer/output",)),
+    KimiSite("logits", "lm_head", inputs=("final_norm",)),
+)
+MODEL_SITES_BEFORE = ("embed",)  # before layer 0; the others after the last layer
+
+
 class KimiGraph:
     """The family's site graph as the report reads it (`parity.reporting.report`: execution order and each point's
     inputs, for the first divergence and its source), from `SITES` alone. Forward: a layer's sites in `SITES` order,
@@ -95,8 +106,17 @@ class KimiGraph:
 
     family = FAMILY
 
+    def __init__(self, num_layers: int | None = None) -> None:
+        self.num_layers = num_layers  # where `final_norm` reads its input (None: not known, no such input)
+
+    def layer_rank(self, layer: int | None, site: str) -> int:
+        """A record's place among the layers: the embedding before layer 0, the head after the last."""
+        if layer is not None:
+            return layer
+        return -1 if site in MODEL_SITES_BEFORE else 10**6
+
     def site_rank(self, layer: int | None, site: str) -> int:
-        names = [s.site for s in SITES]
+        names = [s.site for s in (SITES if layer is not None else MODEL_SITES)]
         return names.index(site) if site in names else len(names)
 
     def backward_rank(self, layer: int | None, site: str) -> tuple:
@@ -105,10 +125,20 @@ class KimiGraph:
     def point_inputs(self, point):
         from parity.model.points import Point
 
-        if point.layer is None or point.phase == "backward":
+        if point.phase == "backward":
             return []
+        if point.layer is None:
+            site = next((s for s in MODEL_SITES if s.site == point.site), None)
+            out = []
+            for n in (site.inputs if site else ()):
+                if not n.startswith("last_layer/"):
+                    out.append(Point(point.phase, point.step, None, n))
+                elif self.num_layers:
+                    out.append(Point(point.phase, point.step, self.num_layers - 1, n.split("/", 1)[1]))
+            return out
         if point.site == "input":
-            return [] if point.layer == 0 else [Point(point.phase, point.step, point.layer - 1, "output")]
+            return [Point(point.phase, point.step, None, "embed")] if point.layer == 0 else \
+                [Point(point.phase, point.step, point.layer - 1, "output")]
         by_name = {s.site: s for s in SITES}
         s = by_name.get(point.site)
         return [Point(point.phase, point.step, point.layer, n) for n in (s.inputs if s else ())]

@@ -25,12 +25,13 @@ KIMI_MODES = ("layer", "isolated", "free")
 
 @dataclass(frozen=True)
 class KimiUnit:
-    """One test: a Kimi dump's layer in one mode."""
+    """One test: a Kimi dump's layer in one mode, or (layer None) its model-level sites: the embedding, the final
+    norm and the head (`kimi_family.MODEL_SITES`)."""
 
     path: Path
     label: str
     mode: str
-    layer: int
+    layer: int | None
 
 
 def is_kimi(path: Path) -> bool:
@@ -41,7 +42,8 @@ def is_kimi(path: Path) -> bool:
 
 
 def kimi_units(paths: list[Path], labels: list[str], modes: list[str]) -> list[Any]:
-    """pytest params (id `<label>[/<mode>]/layer_<i>`) of every layer of every Kimi dump in every Kimi mode asked."""
+    """pytest params (id `<label>[/<mode>]/layer_<i>`) of every layer of every Kimi dump in every Kimi mode asked,
+    and `<label>[/<mode>]/model` for the model-level sites of a dump that holds them."""
     import json
 
     import h5py
@@ -52,11 +54,14 @@ def kimi_units(paths: list[Path], labels: list[str], modes: list[str]) -> list[A
         with h5py.File(path, "r") as f:
             cfg = f.attrs.get("config_json")
             cfg = json.loads(cfg) if isinstance(cfg, (str, bytes)) else {}
+            model_level = "prefill/model/logits" in f  # dumps made before the model-level sites have none
         n = int(cfg.get("num_hidden_layers", 0))
         for mode in kimi_modes:
+            run = label if len(kimi_modes) == 1 else f"{label}/{mode}"
             for i in range(n):
-                run = label if len(kimi_modes) == 1 else f"{label}/{mode}"
                 out.append(pytest.param(KimiUnit(path, label, mode, i), id=f"{run}/layer_{i}"))
+            if model_level:
+                out.append(pytest.param(KimiUnit(path, label, mode, None), id=f"{run}/model"))
     return out
 
 
@@ -66,6 +71,7 @@ class KimiSession:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self._dumps: dict[Path, tuple] = {}
+        self._ids: dict[Path, Any] = {}
         self._free: dict[Path, list] = {}
         self._rules = None
 
@@ -90,7 +96,8 @@ class KimiSession:
             with DumpReader(path) as d:
                 fp = d.meta.get("checkpoint_fingerprint", "")
             ckpt = find_checkpoint(fp, self.config.getoption("--parity-ckpt"))
-            steps, _, _ = read_kimi_dump(path, ckpt)
+            steps, ids, _ = read_kimi_dump(path, ckpt)
+            self._ids[path] = ids
             dtype = "bfloat16" if str(steps[0][(0, "input")].dtype) == "bfloat16" else "float32"
             # the weights in the narrower of the checkpoint's dtype and the run's: a bf16 checkpoint replayed in fp32
             # keeps its bf16 values (exact in fp32; the JAX layers upcast them where they are used) at half the memory
@@ -103,7 +110,7 @@ class KimiSession:
         """{site: SiteResult} of the unit (in layer mode its decode steps' sites as `decode k/<site>` and, in a dump
         with a backward phase, its gradients as `backward/...`)."""
         from parity.jax_kimi.check import (decode_verdicts, dumped_grad_verdicts, free_verdicts, isolated_verdicts,
-                                           layer_verdicts)
+                                           layer_verdicts, model_verdicts)
 
         steps, dtype, sd, cfg, backward = self.dump(unit.path)
         rules, i = self.rules(), unit.layer
@@ -111,6 +118,12 @@ class KimiSession:
         if target is not None and unit.mode != "layer":
             pytest.skip(f"--parity-target judges Kimi layer mode only (a target's layer_forward); {unit.mode} mode "
                         "runs the reference's sub-modules")
+        if target is not None and i is None:
+            pytest.skip("--parity-target judges a Kimi target's decoder layers (its layer_forward); the embedding, "
+                        "the final norm and the head are the reference's")
+        if i is None and unit.mode != "free":  # the model-level sites: every step in layer mode, the prefill isolated
+            return model_verdicts(sd, cfg, steps if unit.mode == "layer" else steps[:1], self._ids[unit.path], dtype,
+                                  unit.mode, rules=rules)
         if unit.mode == "layer":
             if target is not None:
                 target.build(cfg, dtype)
@@ -123,8 +136,9 @@ class KimiSession:
         if unit.mode == "isolated":
             return isolated_verdicts(sd, cfg, steps[0], i, dtype, rules=rules)
         if unit.path not in self._free:
-            self._free[unit.path] = free_verdicts(sd, cfg, steps[0], dtype, jit=True, rules=rules)
-        return self._free[unit.path][i][0]
+            self._free[unit.path] = free_verdicts(sd, cfg, steps[0], dtype, jit=True, rules=rules,
+                                                  ids=self._ids[unit.path])
+        return self._free[unit.path][cfg.num_hidden_layers if i is None else i][0]
 
     def _target(self):
         name = self.config.getoption("--parity-target")
@@ -182,6 +196,8 @@ def reports(records: list[dict[str, Any]], target: str) -> dict[str, dict[str, A
     the family's site graph (`kimi_family.KimiGraph`: execution order, first divergence and its source), with
     `family: kimi_linear` and the dump's identity (checkpoint fingerprint, dtype: an fp32 and a bf16 dump of one
     checkpoint in one run are triaged together, as Ling3's are)."""
+    import json
+
     from parity.dumpfile import DumpReader
     from parity.model.kimi_family import FAMILY, KimiGraph
     from parity.replay.session import dump_identity
@@ -192,7 +208,8 @@ def reports(records: list[dict[str, Any]], target: str) -> dict[str, dict[str, A
         by_mode.setdefault(r["mode"], []).append(r)
     with DumpReader(records[0]["dump"]) as d:
         ident = dump_identity(d)  # which dumps an fp32 + bf16 triage pairs (`parity.reporting.triage`)
-    return {mode: build_report(KimiGraph(), recs, dump=recs[0]["dump"], target=target, mode=mode,
+        layers = json.loads(d.meta["config_json"]).get("num_hidden_layers")
+    return {mode: build_report(KimiGraph(layers), recs, dump=recs[0]["dump"], target=target, mode=mode,
                                extra={"family": FAMILY, **ident})
             for mode, recs in sorted(by_mode.items(), key=lambda kv: KIMI_MODES.index(kv[0]))}
 
@@ -203,14 +220,16 @@ def summary_line(label: str, rep: dict[str, Any]) -> str:
     fd = rep["first_divergence"]
     if fd is None:
         return f"{label} (Kimi Linear, {rep['mode']} mode): every judged site passes ({counts})"
-    at = f"{fd['phase']} layer {fd['layer']} {fd['site']}" + (f" at decode step {fd['step']}" if fd["step"] else "")
+    where = "model" if fd["layer"] is None else f"layer {fd['layer']}"
+    at = f"{fd['phase']} {where} {fd['site']}" + (f" at decode step {fd['step']}" if fd["step"] else "")
     nums = ""
     if fd.get("max_ulp") is not None and fd.get("worst_ref") is not None:
         nums = (f": max {fd['max_ulp']} ULP at index {tuple(fd['worst_index'] or ())} (ref {fd['worst_ref']:.6g}, "
                 f"test {fd['worst_test']:.6g}), rel-L2 {fd['rel_l2']:.3g}")
     src = fd["source"]
+    src_where = "model" if src["layer"] is None else f"layer {src['layer']}"
     source = "" if (src["phase"], src["layer"], src["site"]) == (fd["phase"], fd["layer"], fd["site"]) else \
-        f"; source {src['phase']} layer {src['layer']} {src['site']}"
+        f"; source {src['phase']} {src_where} {src['site']}"
     return f"{label} (Kimi Linear): FIRST DIVERGENCE {rep['mode']} mode, {at}{nums}{source} ({counts})"
 
 
@@ -233,7 +252,8 @@ def run_kimi_unit(request: pytest.FixtureRequest, unit: KimiUnit) -> None:
     # its target does not produce, and `tools/kimi_check.py` lists it)
     failed = {s: r for s, r in verdicts.items() if r.status == "fail"}
     if failed:
-        pytest.fail("\n\n".join(f"{unit.label} ({unit.mode} mode) layer {unit.layer} {s}: {r.message()}"
+        where = "model" if unit.layer is None else f"layer {unit.layer}"
+        pytest.fail("\n\n".join(f"{unit.label} ({unit.mode} mode) {where} {s}: {r.message()}"
                                 for s, r in failed.items()), pytrace=False)
 
 

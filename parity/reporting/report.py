@@ -41,9 +41,9 @@ def _site_rank(cfg, layer: int | None, site: str) -> int:
 
 
 def _family_graph(cfg):
-    """A family's site graph given in place of a Ling3 config (`parity.model.kimi_family.KimiGraph`: `site_rank`,
-    `backward_rank`, `point_inputs`), else None: Ling3's, read from its config and `parity.model.points`."""
-    return cfg if all(hasattr(cfg, a) for a in ("site_rank", "backward_rank", "point_inputs")) else None
+    """A family's site graph given in place of a Ling3 config (`parity.model.kimi_family.KimiGraph`: `layer_rank`,
+    `site_rank`, `backward_rank`, `point_inputs`), else None: Ling3's, read from its config and `parity.model.points`."""
+    return cfg if all(hasattr(cfg, a) for a in ("layer_rank", "site_rank", "backward_rank", "point_inputs")) else None
 
 
 def order_key(cfg, rec: dict) -> tuple:
@@ -53,7 +53,7 @@ def order_key(cfg, rec: dict) -> tuple:
     if (g := _family_graph(cfg)) is not None:
         if rec["phase"] == "backward":
             return (2, 0) + g.backward_rank(layer, rec["site"])
-        return (0 if rec["phase"] == "prefill" else 1, rec.get("step", 0), -1 if layer is None else layer,
+        return (0 if rec["phase"] == "prefill" else 1, rec.get("step", 0), g.layer_rank(layer, rec["site"]),
                 g.site_rank(layer, rec["site"]))
     if layer is None and (m := mtp_site(rec["site"])) is not None:
         lay = 10**6 + 1 + m[0]  # MTP layers run after the main stack's head, in order

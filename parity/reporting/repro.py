@@ -221,8 +221,8 @@ def pytest_command(report: dict, point: Point | None = None) -> str:
     if tol.get("file"):
         parts.append(f"--parity-tolerances {q(tol['file'])}")
     parts += [f"--parity-tol {q(t)}" for t in tol.get("overrides") or ()]
-    if report.get("family", "ling3") != "ling3":  # one test per layer (`test_kimi_layer[<dump>/layer_3]`)
-        expr = f"layer_{point.layer}]"
+    if report.get("family", "ling3") != "ling3":  # one test per layer (`test_kimi_layer[<dump>/layer_3]`) and one
+        expr = f"layer_{point.layer}]" if point.layer is not None else "/model]"  # for the model-level sites
     elif point.layer is not None:
         expr = f"layer_{point.layer} and {point.site}]"
     else:  # model-level (`.../model/logits]`) or an MTP layer's point (`.../MTP0/enorm]`: its site holds the unit)

@@ -23,7 +23,7 @@ import numpy as np
 
 def capture_sites(model: Any, ids: Any) -> dict[tuple[int, str], Any]:
     """{(layer, site): torch tensor} of one forward of the built-in: every site of `parity.model.kimi_family.SITES`
-    whose module the layer has (module doc)."""
+    whose module the layer has, and the model-level `MODEL_SITES` under layer None (module doc)."""
     return capture_steps(model, ids, int(ids.shape[-1]))[0]
 
 
@@ -32,12 +32,12 @@ def capture_steps(model: Any, ids: Any, prompt_len: int) -> list[dict[tuple[int,
     decoded one at a time through the built-in's own cache (`past_key_values`, as generation runs it)."""
     import torch
 
-    from parity.model.kimi_family import SITES
+    from parity.model.kimi_family import MODEL_SITES, SITES
 
-    steps: list[dict[tuple[int, str], Any]] = []
+    steps: list[dict[tuple[int | None, str], Any]] = []
     hooks = []
 
-    def keep(i: int, site, args: tuple, kwargs: dict, out: Any) -> None:  # None: the module's output is unchanged
+    def keep(i: int | None, site, args: tuple, kwargs: dict, out: Any) -> None:  # None: the output is unchanged
         if site.io == "input":
             t = args[0] if args else kwargs["hidden_states"]
         else:
@@ -53,6 +53,9 @@ def capture_steps(model: Any, ids: Any, prompt_len: int) -> list[dict[tuple[int,
                 continue
             hooks.append(module.register_forward_hook(
                 lambda m, a, kw, o, i=i, site=site: keep(i, site, a, kw, o), with_kwargs=True))
+    for site in MODEL_SITES:  # the embedding, the final norm, the head: layer None
+        hooks.append(model.get_submodule(site.module).register_forward_hook(
+            lambda m, a, kw, o, site=site: keep(None, site, a, kw, o), with_kwargs=True))
     try:
         with torch.no_grad():
             steps.append({})
@@ -150,7 +153,7 @@ def write_kimi_dump(path: str | Path, model: Any, ckpt_dir: str | Path, ids: Any
     with DumpWriter(path, meta, force=force) as w:
         w.write_tokens(np.asarray(ids), int(np.shape(ids)[-1]) - (len(steps) - 1))
         for k, sites in enumerate(steps):
-            for (i, site), t in sorted(sites.items()):
+            for (i, site), t in sorted(sites.items(), key=lambda kv: (-1 if kv[0][0] is None else kv[0][0], kv[0][1])):
                 w.write(Point("prefill" if k == 0 else "decode", k, i, site), _numpy(t),
                         io="input" if site.endswith(":in") else "output")
         for (i, site), t in sorted((backward or {}).items()):
@@ -171,7 +174,7 @@ def read_kimi_dump(path: str | Path, ckpt_dir: str | Path) -> tuple[list[dict[tu
             raise DumpError(f"{path}: root attr family {d.meta.get('family')!r}, expected {FAMILY!r} (a dump of "
                             f"tools/kimi_check.py --dump; Ling3 dumps are replayed by pytest parity)")
         steps = [{(p.layer, p.site): d.read(p) for p in d.points()
-                  if p.phase == ("prefill" if k == 0 else "decode") and p.step == k and p.layer is not None}
+                  if p.phase == ("prefill" if k == 0 else "decode") and p.step == k}
                  for k in range(1 + len(d.steps("decode")))]
         return steps, d.input_ids, d.prompt_len
 
