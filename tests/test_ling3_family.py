@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from parity.errors import ParityError
 from parity.model import families, ling3_family, points
 
 NEW = "attention.o_norm:in"  # the KDA gated norm's input (the core before o_norm): not a site of the description
@@ -88,7 +89,7 @@ def test_families_tell_dumps_and_checkpoints_apart():
     assert families.of_dump(KIMI_DUMPS / KIMI_GOLDEN[0].file) == families.KIMI_LINEAR
     assert families.of_checkpoint(root / "dumps" / "ckpt" / "tiny") == families.LING3
     assert families.of_checkpoint(root / "dumps" / "ckpt" / "kimi-tiny") == families.KIMI_LINEAR
-    with pytest.raises(Exception, match="family 'gla': expected one of ling3, kimi_linear"):
+    with pytest.raises(ParityError, match="family 'gla': expected one of ling3, kimi_linear"):
         families.by_name("gla")
     for f in families.FAMILIES:  # each family's description module holds its names
         mod = __import__(f.description, fromlist=["FAMILY"])

@@ -287,6 +287,7 @@ def model_verdicts(state_dict: Any, cfg: Any, steps: list[dict[tuple[int | None,
     one in free mode. Decode steps' sites are `decode k/<site>`. A dump made before model-level sites gives {}."""
     import jax.numpy as jnp
 
+    from parity.jax_ling3.model import embed
     from parity.jax_ling3.norms import rms_norm
     from parity.jax_ling3.ops import linear
 
@@ -307,7 +308,8 @@ def model_verdicts(state_dict: Any, cfg: Any, steps: list[dict[tuple[int | None,
         x = final_outputs[k] if own else jnp.asarray(as_f32(sites[(last, "output")]), jdt)
         fn = rms_norm(x, w_norm, cfg.rms_norm_eps)
         fn_in = fn if own else jnp.asarray(as_f32(sites[(None, "final_norm")]), jdt)
-        got = {"embed": table[jnp.asarray(tok)], "final_norm": fn, "logits": linear(fn_in, head)}
+        # Ling3's `model.head` would upcast the logits (facts §6); the built-in's stay in the dtype: linear alone
+        got = {"embed": embed(table, jnp.asarray(tok)), "final_norm": fn, "logits": linear(fn_in, head)}
         res = _judge({s: (sites[(None, s)], v) for s, v in got.items()}, None, dtype, mode, rules=rules)
         out |= {(f"decode {k}/{s}" if k else s): r for s, r in res.items()}
     return out

@@ -22,16 +22,14 @@ class Family:
     make_ckpt: `tools/make_ckpt.py --family` value. doc: where it is documented."""
 
     name: str
-    title: str
     model_types: tuple[str, ...]
     description: str
     make_ckpt: str
     doc: str
 
 
-LING3 = Family("ling3", "Ling3", ("bailing_hybrid",), "parity.model.ling3_family", "ling3", "README.md")
-KIMI_LINEAR = Family("kimi_linear", "Kimi Linear", ("kimi_linear",), "parity.model.kimi_family", "kimi-linear",
-                     "docs/kimi_linear.md")
+LING3 = Family("ling3", ("bailing_hybrid",), "parity.model.ling3_family", "ling3", "README.md")
+KIMI_LINEAR = Family("kimi_linear", ("kimi_linear",), "parity.model.kimi_family", "kimi-linear", "docs/kimi_linear.md")
 FAMILIES: tuple[Family, ...] = (LING3, KIMI_LINEAR)
 
 

@@ -9,8 +9,8 @@ the gated norm's output, `mlp.routed` the weighted expert sum), so Ling3's calib
 them. A site whose module a layer lacks (MLA's `kv_b_proj` in a KDA layer, a dense layer's router) is skipped there.
 
 Each site also names the sites it is computed from (`KimiSite.inputs`): the site graph the report reads
-(`KimiGraph`) for a Kimi dump's first divergence and its source. Ling3's own description is still
-`parity.model.points` (its site graph) and the per-runtime module maps in `parity/torch_ref/`.
+(`KimiGraph`) for a Kimi dump's first divergence and its source; `MODEL_SITES` are the embedding, the final norm
+and the head. Ling3's description is `parity.model.ling3_family`; `parity.model.families` tells the two apart.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ MODEL_SITES_BEFORE = ("embed",)  # before layer 0; the others after the last lay
 
 class KimiGraph:
     """The family's site graph as the report reads it (`parity.reporting.report`: execution order and each point's
-    inputs, for the first divergence and its source), from `SITES` alone. Forward: a layer's sites in `SITES` order,
+    inputs, for the first divergence and its source), from `SITES` and `MODEL_SITES` alone. Forward: a layer's sites in `SITES` order,
     layer i's `input` from layer i-1's `output`. Backward (a `--grads` dump's phase, sites `input` = dL/d layer input
     and `grad.<param>`): the layers last to first, each layer's weight gradients before its input cotangent."""
 
