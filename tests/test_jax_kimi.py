@@ -45,10 +45,10 @@ from parity.jax_kimi.check import layer_verdicts
 from parity.jax_kimi.layer import decoder_layer, decoder_layer_jit
 from parity.jax_kimi.spec import layer_spec
 from parity.jax_kimi.weights import layer_params
+from parity.targets import kimi_mutants
+from parity.targets.kimi_mutants import _per_channel_decay
 from parity.jax_ling3.kda import kda_chunked
 from parity.jax_ling3.norms import l2_normalize
-from parity.jax_ling3.ops import linear, silu
-from parity.jax_ling3.rope import apply_rope_interleaved, cos_sin
 
 T = 70  # > 64: the built-in's chunked KDA runs two chunks
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
@@ -327,53 +327,15 @@ def test_mla_cache_holds_every_token():
 
 
 # ------------------------------------------------------------------------------------------ planted porting bugs
-def _silu_gated_norm(o, gate, w, eps):
-    of = o.astype(jnp.float32)
-    y = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + eps) * w.astype(jnp.float32)
-    return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(o.dtype)
+# The catalogue of Kimi's porting bugs (`parity.targets.kimi_mutants`): each planted here by its module attribute.
+def _mutant(m):
+    import importlib
+
+    module = importlib.import_module(m.module)
+    return module, m.attr, m.make(getattr(module, m.attr)), m.kind
 
 
-def _per_channel_decay(a, A_log, dt_bias, lower_bound, softplus=None):
-    """A_log expanded to [H·d] in the wrong order (tile, not repeat): the decay rate varies along the channels."""
-    H, d = a.shape[-2], a.shape[-1]
-    rate = jnp.exp(jnp.tile(A_log.astype(jnp.float32), d)).reshape(H, d)
-    return -rate * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(H, d))
-
-
-def _lower_bound_gate(a, A_log, dt_bias, lower_bound, softplus=None):
-    """Ling3's lower-bound gate (lb = -5) instead of Kimi's softplus form."""
-    H, d = a.shape[-2], a.shape[-1]
-    x = a.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(H, d)
-    return -5.0 * jax.nn.sigmoid(jnp.exp(A_log.astype(jnp.float32)).reshape(H, 1) * x)  # not-a-bound: lb
-
-
-def _low_rank_with_silu(x, w_a, w_b):
-    return linear(silu(linear(x, w_a)), w_b)
-
-
-def _attention_with_rope(q_nope, q_rope, k_nope, v, k_rope, allowed, scale, dt):
-    """DeepSeek-V2 MLA as ported elsewhere: RoPE on the rope dims (Kimi's built-in applies none)."""
-    cos, sin = cos_sin(jnp.arange(q_rope.shape[1]), q_rope.shape[-1], 10000.0, dt)
-    q_rope = apply_rope_interleaved(q_rope, cos, sin)
-    k_rope = apply_rope_interleaved(k_rope[..., None, :], cos, sin)[..., 0, :]
-    return _ORIG_ATTENTION(q_nope, q_rope, k_nope, v, k_rope, allowed, scale, dt)
-
-
-_ORIG_ATTENTION = kimi_mla.causal_attention
-
-
-def _weights_ignoring_norm_topk_prob(logits, idx, m):
-    return jnp.take_along_axis(jax.nn.sigmoid(logits), idx, axis=-1) * m.routed_scaling
-
-
-MUTANTS = {  # name: (module, attribute, replacement, layer kinds it touches)
-    "gated_norm_silu_not_sigmoid": (kimi_kda, "gated_rms_norm", _silu_gated_norm, "kda"),
-    "decay_per_channel_not_per_head": (kimi_kda, "kda_gate", _per_channel_decay, "kda"),
-    "activation_between_low_rank_gate_projections": (kimi_kda, "low_rank", _low_rank_with_silu, "kda"),
-    "lower_bound_gate_not_softplus": (kimi_kda, "kda_gate", _lower_bound_gate, "kda"),
-    "rope_on_the_mla_rope_dims": (kimi_mla, "causal_attention", _attention_with_rope, "mla"),
-    "router_ignores_norm_topk_prob": (kimi_moe, "routing_weights", _weights_ignoring_norm_topk_prob, "moe"),
-}
+MUTANTS = {m.name: _mutant(m) for m in kimi_mutants.CATALOGUE}  # name: (module, attribute, replacement, layer kinds)
 
 
 def _touches(kind: str, i: int) -> bool:

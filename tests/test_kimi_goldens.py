@@ -15,6 +15,7 @@ import pytest
 from parity.golden import KIMI_DUMPS, KIMI_GOLDEN, KIMI_MACHINE, ROOT, dump_structure, machine_kind, \
     structure_differences
 from parity.targets.kimi import KimiReferenceTarget
+from parity.targets.kimi_mutants import CATALOGUE
 
 
 def _pytest(*args: str, reports: Path | None = None) -> subprocess.CompletedProcess:
@@ -135,40 +136,28 @@ def test_regeneration_gives_the_bundled_dump(golden, tmp_path, monkeypatch):
     assert not differ, f"{len(differ)} of {len(names)} datasets differ, e.g. {differ[:3]}"
 
 
-# The porting-bug catalogue of issue 34 §4 (tests/test_jax_kimi.py `MUTANTS`, planted into `parity.jax_kimi`) on the
-# goldens: each fails first at the site that computes what it breaks (an independent expectation: the site order of
-# `kimi_family.SITES`), every site before it passes, in fp32 and in bf16.
-FIRST_SITE = {
-    "gated_norm_silu_not_sigmoid": (0, "attention.o_norm"),  # the gated norm's output
-    "decay_per_channel_not_per_head": (0, "attention.gate"),  # the decay itself
-    "activation_between_low_rank_gate_projections": (0, "attention.gate"),  # f_b(act(f_a x)): the decay first
-    "lower_bound_gate_not_softplus": (0, "attention.gate"),
-    "rope_on_the_mla_rope_dims": (1, "attention.o_proj"),  # the core has no site; o_proj is the first after it
-    "router_ignores_norm_topk_prob": (1, "mlp.routed"),  # the logits are untouched; the weights are not
-}
-
-
+# The porting-bug catalogue of issue 34 §4 (`parity.targets.kimi_mutants`, planted into `parity.jax_kimi`) on the
+# goldens: each fails first at the site its catalogue entry names — the site that computes what it breaks, at the
+# first layer of the kind it touches (from the config) — and every site before it passes, in fp32 and in bf16.
 @pytest.mark.parametrize("golden", KIMI_GOLDEN, ids=[g.dtype for g in KIMI_GOLDEN])
-@pytest.mark.parametrize("name", sorted(FIRST_SITE))
-def test_catalogue_bug_fails_first_at_its_site(name, golden, monkeypatch):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_jax_kimi import MUTANTS
-
+@pytest.mark.parametrize("name", sorted(m.name for m in CATALOGUE))
+def test_catalogue_bug_fails_first_at_its_site(name, golden):
     from parity.jax_kimi.check import layer_verdicts
     from parity.model.kimi_family import SITES
+    from parity.targets.kimi_mutants import BY_NAME, CLASSES
     from parity.torch_ref.kimi_ckpt import load_kimi_model
     from parity.torch_ref.kimi_dump import read_kimi_dump
 
     ckpt = ROOT / "dumps" / "ckpt" / "kimi-tiny"
     steps, _, _ = read_kimi_dump(KIMI_DUMPS / golden.file, ckpt)
     model = load_kimi_model(ckpt, golden.dtype)
-    layer, want = FIRST_SITE[name]
-    module, attr, bad, _ = MUTANTS[name]
-    monkeypatch.setattr(module, attr, bad)
-    v = layer_verdicts(model.state_dict(), model.config, steps[0], layer, golden.dtype)[0]  # eager: the patch applies
+    m = BY_NAME[name]
+    layer = m.first_layer(model.config)
+    with CLASSES[name]().planted():  # the target's own patch; eager: it applies to every call
+        v = layer_verdicts(model.state_dict(), model.config, steps[0], layer, golden.dtype)[0]
     order = [s.site for s in SITES if s.site in v]
     failing = [s for s in order if v[s].status == "fail"]
-    assert failing and failing[0] == want, f"{name} ({golden.dtype}): first failing {failing[:3]}, expected {want}"
+    assert failing and failing[0] == m.site, f"{name} ({golden.dtype}): first failing {failing[:3]}, expected {m.site}"
 
 
 # Porting bugs of the model-level sites (issue 34: the embedding, final norm and head a port writes itself), planted

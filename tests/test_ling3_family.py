@@ -95,3 +95,61 @@ def test_families_tell_dumps_and_checkpoints_apart():
         mod = __import__(f.description, fromlist=["FAMILY"])
         assert mod.FAMILY == f.name
     assert os.path.isfile(root / families.KIMI_LINEAR.doc)
+
+
+def test_every_family_entry_resolves():
+    """Each registry entry names an importable object (a typo would surface only when that family is used)."""
+    for f in families.FAMILIES:
+        for what in families.ENTRIES:
+            obj = f.entry(what)
+            assert callable(obj) or what == "replay", (f.name, what, obj)
+    with pytest.raises(ParityError, match="entry rules = 'parity.nowhere:rules' does not resolve"):
+        families.Family(**{**families.LING3.__dict__, "rules": "parity.nowhere:rules"}).entry("rules")
+
+
+# A third family, registered as data: the dumper reaches it by its checkpoint's model_type alone.
+TOY_CALLS: list = []
+
+
+def toy_config(ckpt):
+    TOY_CALLS.append(("config", Path(ckpt).name))
+    return {"layers": 1}
+
+
+def toy_dump(parser, args, ckpt, outs, cfg, argv):
+    TOY_CALLS.append(("dump", cfg, [Path(o).name for o in outs]))
+    return 0
+
+
+def test_a_registered_family_is_dumped_by_its_own_entries(monkeypatch, tmp_path):
+    from parity.cli.dump_hf import main as dump_main
+
+    toy = families.Family("toy", ("toy_hybrid",), __name__, "toy", "README.md", goldens="toy",
+                          config=f"{__name__}:toy_config", dump=f"{__name__}:toy_dump",
+                          rules=families.LING3.rules, weights=families.LING3.weights, replay=families.LING3.replay)
+    monkeypatch.setattr(families, "FAMILIES", families.FAMILIES + (toy,))
+    ckpt = tmp_path / "toy-ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "toy_hybrid"}')
+    TOY_CALLS.clear()
+    assert dump_main([str(ckpt), "--out", str(tmp_path / "d.h5")]) == 0
+    assert TOY_CALLS == [("config", "toy-ckpt"), ("dump", {"layers": 1}, ["d.h5"])]
+    (ckpt / "config.json").write_text('{"model_type": "bailing_hybrid"}')  # Ling3's config check: one line, status 2
+    TOY_CALLS.clear()
+    assert dump_main([str(ckpt), "--out", str(tmp_path / "d.h5")]) == 2 and not TOY_CALLS
+
+
+def test_a_bad_kimi_config_is_refused_before_the_model_loads(tmp_path, capsys):
+    """Kimi Linear's config check (`parity.jax_kimi.spec.checkpoint_config`, the family's `config` entry) names the
+    field, before any weight is read (the directory holds no weights at all)."""
+    import json
+
+    from parity.cli.dump_hf import main as dump_main
+    from parity.golden import ROOT
+
+    cfg = json.loads((ROOT / "dumps" / "ckpt" / "kimi-tiny" / "config.json").read_text())
+    cfg["topk_group"] = cfg["num_expert_group"] + 1  # the file's name for n_group (the published config's)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert dump_main([str(tmp_path), "--out", str(tmp_path / "d.h5")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "KimiLinearConfig.topk_group" in err[0] and "expected an int in [1, n_group" in err[0], err

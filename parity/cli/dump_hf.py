@@ -235,63 +235,6 @@ def inspect_lines(path: str) -> list[str]:
                 f"  kernels: {kernels_line(d.kernels)}"]
 
 
-# The options a Kimi Linear dump takes (issue 34: transformers' built-in `KimiLinearForCausalLM`, its sites as
-# `parity.model.kimi_family.SITES` names them); the others are Ling3's (its runtimes, kernels, prompts, --grads).
-KIMI_OPTIONS = ("ckpt", "out", "dtype", "prompt_len", "decode_steps", "seed", "force", "no_progress", "ids",
-                "runtime", "write_thread", "compression", "inspect", "grads")
-# set by the parser pair --cpu-kernels / --no-cpu-kernels (its own default): the built-in runs its torch fallbacks
-KIMI_IGNORED = ("cpu_kernels",)
-KIMI_PROMPT_LEN = 70  # without --prompt-len / --ids, as tools/kimi_check.py: two chunks of the chunked KDA
-
-
-def _dump_kimi(parser: argparse.ArgumentParser, args, ckpt: Path, outs: list[str]) -> int:
-    """A Kimi Linear checkpoint (config.json `model_type: kimi_linear`): the built-in's sites of one prompt — the
-    prefill, then `--decode-steps` tokens one at a time through its cache, and with `--grads` one training step's
-    backward on the prompt (`kimi_dump.capture_backward`) — written per dtype as a Kimi dump
-    (`parity.torch_ref.kimi_dump`; the same capture and file as `tools/kimi_check.py --dump`: the same --seed and
-    prompt length give the same ids and the same dump). The prompt: `--ids` (one sequence), else `--prompt-len`
-    (default 70) seeded random ids, whose decode tokens are seeded too (teacher-forced, not the greedy argmax)."""
-    import torch
-
-    from parity.torch_ref.kimi_ckpt import load_kimi_model
-    from parity.torch_ref.kimi_dump import capture_backward, capture_steps, write_kimi_dump
-
-    given = [a for a in vars(args) if a not in KIMI_OPTIONS + KIMI_IGNORED and getattr(args, a) != parser.get_default(a)]
-    if given:
-        names = ", ".join("--" + a.replace("_", "-") for a in given)
-        raise ParityError(f"{ckpt}: a Kimi Linear checkpoint (model_type kimi_linear) is dumped from transformers' "
-                          f"built-in with --out, --dtype, --prompt-len or --ids, --decode-steps, --seed, --grads, "
-                          f"--force; not with {names}")
-    if args.runtime != "remote":
-        raise ParityError("--runtime native: a Kimi Linear checkpoint always runs transformers' built-in "
-                          "KimiLinearForCausalLM (no checkpoint code); leave --runtime out")
-    if args.ids and len(args.ids) > 1:
-        raise ParityError(f"--ids given {len(args.ids)} times: a Kimi Linear dump holds one prompt")
-    for out, dtype in zip(outs, args.dtype):
-        model = load_kimi_model(ckpt, dtype)
-        vocab = model.config.vocab_size
-        if args.ids:
-            prompt = parse_ids(args.ids[0])
-            bad = [x for x in prompt if not 0 <= x < vocab]
-            if bad or not prompt:
-                raise ParityError(f"--ids: {bad[:5] or 'no ids'}: expected ids in the vocabulary 0..{vocab - 1}")
-            T = len(prompt)
-            tail = torch.randint(3, vocab, (args.decode_steps,), generator=torch.Generator().manual_seed(args.seed))
-            ids = torch.tensor([prompt + tail.tolist()])
-        else:
-            T = args.prompt_len or KIMI_PROMPT_LEN
-            ids = torch.randint(3, vocab, (1, T + args.decode_steps), generator=torch.Generator().manual_seed(args.seed))
-        if args.grads and T < 2:
-            raise ParityError(f"--grads: a prompt of {T} token has no next-token target; the loss needs at least 2")
-        steps = capture_steps(model, ids, T)
-        backward = capture_backward(model, ids[:, :T]) if args.grads else None
-        write_kimi_dump(out, model, ckpt, ids, steps, seed=args.seed, force=args.force, backward=backward)
-        print(f"wrote {out}: Kimi Linear ({type(model).__name__}, transformers' built-in), {dtype}, "
-              f"{model.config.num_hidden_layers} layers, prompt {T} tokens + {args.decode_steps} decode steps; "
-              f"replay: pytest parity --parity-dump {out} --parity-ckpt {ckpt}", flush=True)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -305,55 +248,64 @@ def main(argv: list[str] | None = None) -> int:
     if args.ckpt is None or args.out is None:
         parser.error("the checkpoint directory and --out are required (or --inspect DUMP)")
     try:
-        from parity.model.config import Ling3Config
-        from parity.dumpfile import check_output_path, clean_stale_temp_files
+        from parity.dumpfile import check_output_path
 
         # everything that can be refused is refused before the model loads (seconds to minutes)
         outs = [check_output_path(o, force=args.force) for o in dtype_outputs(args.out, args.dtype)]
         ckpt = Path(args.ckpt)
-        if families.of_checkpoint(ckpt) == families.KIMI_LINEAR:
-            return _dump_kimi(parser, args, ckpt, outs)
-        cfg = Ling3Config.from_pretrained_dir(ckpt, strict=False)
-        layers = parse_layers(args.layers)
-        bad = [i for i in layers or () if i >= cfg.num_hidden_layers]
-        if bad:
-            raise ParityError(f"--layers {args.layers!r}: layer(s) {bad} out of range; the model has layers "
-                              f"0..{cfg.num_hidden_layers - 1}")
-        sites = [s.strip() for s in args.sites.split(",")] if args.sites is not None else None
-        if sites is not None:
-            check_sites(sites, cfg, layers if layers is not None else list(range(cfg.num_hidden_layers)), args.grads)
-        check_remote_code(args, ckpt)
-        if args.no_progress:
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()  # transformers' own "Loading weights" bar too
-        if args.runtime == "native":
-            from parity.torch_ref.dump import check_native_supports
-
-            check_native_supports(cfg, ckpt)  # before tokenizing or loading anything
-        seqs = collect_ids(args, ckpt, cfg.vocab_size)
-        if args.grads and min(len(s) for s in seqs) < 2:
-            raise ParityError(f"--grads: a prompt of {min(len(s) for s in seqs)} token has no next-token target; "
-                              "the loss needs at least 2 tokens")
-        for out in outs:
-            for note in clean_stale_temp_files(out):
-                print(f"dump_hf: note: {note}", file=sys.stderr)
-
-        from parity.torch_ref.dump import DumpOptions, dump_checkpoint
-
-        summaries = []
-        for out, dtype in zip(outs, args.dtype):  # a pair: the same prompt and options, one dump per dtype
-            opts = _options(args, dtype, layers, sites)
-            command = "dump_hf.py " + " ".join(argv or sys.argv[1:])
-            if len(outs) > 1:
-                command += f"  (the {SHORT[dtype]} dump of this command)"
-            summaries.append(dump_checkpoint(ckpt, out, seqs, opts, extra_meta={"command": command}))
+        # the checkpoint's family (config.json model_type) validates its config and dumps it (parity.model.families)
+        family = families.of_checkpoint(ckpt)
+        cfg = family.entry("config")(ckpt)
+        return family.entry("dump")(parser, args, ckpt, outs, cfg, argv)
     except ParityError as e:
         print(f"dump_hf: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # the writer removed its temporary file on the way out
         print(f"dump_hf: interrupted; nothing was written under {args.out}", file=sys.stderr)
         return 130
+
+
+def dump_ling3(parser: argparse.ArgumentParser, args: argparse.Namespace, ckpt: Path, outs: list[str], cfg,
+               argv: list[str] | None) -> int:
+    """Ling3's dumper (`parity.model.families.LING3`): the checkpoint's runtime (its own files, or the built-in
+    `bailing_hybrid` with --runtime native) under the suite's hooks, one dump per dtype of `outs`. `cfg`: its
+    validated `Ling3Config`. Refusals raise `ParityError` (one line, exit status 2 in `main`)."""
+    from parity.dumpfile import clean_stale_temp_files
+
+    layers = parse_layers(args.layers)
+    bad = [i for i in layers or () if i >= cfg.num_hidden_layers]
+    if bad:
+        raise ParityError(f"--layers {args.layers!r}: layer(s) {bad} out of range; the model has layers "
+                          f"0..{cfg.num_hidden_layers - 1}")
+    sites = [s.strip() for s in args.sites.split(",")] if args.sites is not None else None
+    if sites is not None:
+        check_sites(sites, cfg, layers if layers is not None else list(range(cfg.num_hidden_layers)), args.grads)
+    check_remote_code(args, ckpt)
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # transformers' own "Loading weights" bar too
+    if args.runtime == "native":
+        from parity.torch_ref.dump import check_native_supports
+
+        check_native_supports(cfg, ckpt)  # before tokenizing or loading anything
+    seqs = collect_ids(args, ckpt, cfg.vocab_size)
+    if args.grads and min(len(s) for s in seqs) < 2:
+        raise ParityError(f"--grads: a prompt of {min(len(s) for s in seqs)} token has no next-token target; "
+                          "the loss needs at least 2 tokens")
+    for out in outs:
+        for note in clean_stale_temp_files(out):
+            print(f"dump_hf: note: {note}", file=sys.stderr)
+
+    from parity.torch_ref.dump import DumpOptions, dump_checkpoint
+
+    summaries = []
+    for out, dtype in zip(outs, args.dtype):  # a pair: the same prompt and options, one dump per dtype
+        opts = _options(args, dtype, layers, sites)
+        command = "dump_hf.py " + " ".join(argv or sys.argv[1:])
+        if len(outs) > 1:
+            command += f"  (the {SHORT[dtype]} dump of this command)"
+        summaries.append(dump_checkpoint(ckpt, out, seqs, opts, extra_meta={"command": command}))
     for summary in summaries:
         _print_summary(summary)
     if len(summaries) > 1:

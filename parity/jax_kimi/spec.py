@@ -135,3 +135,22 @@ def layer_spec(cfg: Any, i: int, dtype: str, conv_kernel: str = "torch") -> Kimi
         _need(types[i] in allowed, f"{field}[{i}]", f"one of {allowed}", types[i])
     return KimiLayerSpec(model=model_spec(cfg, dtype, conv_kernel), kind=LAYER_KINDS[cfg.layer_types[i]],
                          moe=cfg.mlp_layer_types[i] == "sparse")
+
+
+def checkpoint_config(ckpt_dir: Any) -> Any:
+    """A Kimi Linear checkpoint directory's `KimiLinearConfig` (transformers' own reader of its config.json), every
+    field the reference relies on validated for every layer (`layer_spec`) before any weight loads: the family's config
+    check (`parity.model.families.KIMI_LINEAR`, `tools/dump_hf.py`). One line (`ConfigError`) names what is wrong."""
+    from pathlib import Path
+
+    from transformers import KimiLinearConfig
+
+    root = Path(ckpt_dir)
+    try:
+        cfg = KimiLinearConfig.from_pretrained(root)
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"{root / 'config.json'}: transformers could not read it as a KimiLinearConfig ({e})") \
+            from None
+    for i in range(cfg.num_hidden_layers):
+        layer_spec(cfg, i, "float32")
+    return cfg

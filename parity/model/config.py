@@ -586,3 +586,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "ling3-tiny": LING3_TINY_CONFIG,
     "ling3-flash": LING3_FLASH_CONFIG,
 }
+
+
+def checkpoint_config(ckpt_dir: str | Path) -> Ling3Config:
+    """A Ling3 checkpoint directory's config, validated as a dump needs it (`Ling3Config.from_pretrained_dir`, lenient
+    on fields the suite does not read): the family's config check (`parity.model.families.LING3`, `tools/dump_hf.py`)."""
+    return Ling3Config.from_pretrained_dir(ckpt_dir, strict=False)

@@ -1,35 +1,79 @@
-"""The model families the suite covers, and how a dump or a checkpoint says which one it is (issue 34 §1).
+"""The model families the suite covers: one registry entry per family, and how a dump or a checkpoint says which one
+it is (issue 34 §1: a model family as data).
 
 A family's names live in its description module, and only there: Ling3's site graph and per-runtime module maps in
 `parity.model.ling3_family`, Kimi Linear's sites (canonical name <- the built-in's module <- the JAX point) and their
-graph in `parity.model.kimi_family`. Everything that must tell the families apart — `tools/dump_hf.py` for a
-checkpoint, `pytest parity` for a dump, `tools/make_ckpt.py --family` — asks this module.
+graph in `parity.model.kimi_family`. Its entry here names, as `module:callable` strings (resolved on use, so that
+this registry imports nothing of theirs), what works from that description: the config check, the dumper, the rules,
+the JAX reference's checkpoint reader, the bundled goldens, the replay. `tools/dump_hf.py` (a checkpoint's family),
+`pytest parity` (a dump's), `tools/make_ckpt.py --family` and the Kimi corpus ask this module; a family added here
+with those entries is dumped and replayed (tests/test_ling3_family.py registers a third one).
 """
 
 from __future__ import annotations
 
 import json
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from parity.errors import ParityError
+
+
+ENTRIES = ("config", "dump", "rules", "weights", "replay")
 
 
 @dataclass(frozen=True)
 class Family:
     """name: a dump's root attr `family` (Ling3 dumps record none: the schema predates a second family).
     model_types: config.json `model_type` values of its checkpoints. description: the module holding its names.
-    make_ckpt: `tools/make_ckpt.py --family` value. doc: where it is documented."""
+    make_ckpt: `tools/make_ckpt.py --family` value. doc: where it is documented. goldens: its bundled golden dumps'
+    folder, under the bundled dumps (`dumps/`; `pytest parity` without --parity-dump replays them).
+    The entries (`ENTRIES`, `module:callable`, read by `entry`):
+    config:  checkpoint dir -> its validated config (one-line `ConfigError` naming the field), before weights load.
+    dump:    `tools/dump_hf.py` for its checkpoints: (parser, args, ckpt, outs, config, argv) -> exit status.
+    rules:   () -> `RulesTable`, the calibrated rules its dumps are judged by.
+    weights: the JAX reference's reader of its checkpoint names (a layer's HF tensors -> the reference's params).
+    replay:  the `pytest parity` module that collects and judges its dumps."""
 
     name: str
     model_types: tuple[str, ...]
     description: str
     make_ckpt: str
     doc: str
+    goldens: str
+    config: str
+    dump: str
+    rules: str
+    weights: str
+    replay: str
+
+    def entry(self, what: str) -> Any:
+        """The object an entry names (`what` one of `ENTRIES`), imported now; ParityError if it does not resolve."""
+        if what not in ENTRIES:
+            raise ParityError(f"family {self.name}: no entry {what!r}; expected one of {', '.join(ENTRIES)}")
+        spec = getattr(self, what)
+        mod, _, attr = spec.partition(":")
+        try:
+            obj = importlib.import_module(mod)
+            for part in filter(None, attr.split(".")):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as e:
+            raise ParityError(f"family {self.name}: entry {what} = {spec!r} does not resolve ({e})") from None
+        return obj
 
 
-LING3 = Family("ling3", ("bailing_hybrid",), "parity.model.ling3_family", "ling3", "README.md")
-KIMI_LINEAR = Family("kimi_linear", ("kimi_linear",), "parity.model.kimi_family", "kimi-linear", "docs/kimi_linear.md")
+LING3 = Family(
+    "ling3", ("bailing_hybrid",), "parity.model.ling3_family", "ling3", "README.md", goldens=".",
+    config="parity.model.config:checkpoint_config", dump="parity.cli.dump_hf:dump_ling3",
+    rules="parity.numerics.tolerances:default_rules", weights="parity.jax_ling3.weights:convert_layer",
+    replay="parity.pytest_plugin.plugin")
+KIMI_LINEAR = Family(
+    "kimi_linear", ("kimi_linear",), "parity.model.kimi_family", "kimi-linear", "docs/kimi_linear.md",
+    goldens="kimi", config="parity.jax_kimi.spec:checkpoint_config", dump="parity.cli.dump_kimi:dump_kimi",
+    rules="parity.model.kimi_family:rules", weights="parity.jax_kimi.weights:layer_params",
+    replay="parity.pytest_plugin.kimi")
 FAMILIES: tuple[Family, ...] = (LING3, KIMI_LINEAR)
 
 

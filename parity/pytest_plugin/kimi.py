@@ -35,10 +35,11 @@ class KimiUnit:
 
 
 def is_kimi(path: Path) -> bool:
-    """Whether `path` is a Kimi Linear dump (`parity.model.families.of_dump`: its root attr `family`)."""
-    from parity.model.families import KIMI_LINEAR, of_dump
+    """Whether `path` is a dump this module replays: its family (`parity.model.families.of_dump`, the root attr
+    `family`) names this module as its replay (Kimi Linear's)."""
+    from parity.model.families import of_dump
 
-    return of_dump(path) == KIMI_LINEAR
+    return of_dump(path).replay == __name__
 
 
 def kimi_units(paths: list[Path], labels: list[str], modes: list[str]) -> list[Any]:
@@ -76,12 +77,13 @@ class KimiSession:
         self._rules = None
 
     def rules(self):
-        from parity.model import kimi_family
+        from parity.model.families import KIMI_LINEAR
         from parity.numerics.tolerances import with_user_rules
 
         if self._rules is None:
             opt = self.config.getoption
-            self._rules = with_user_rules(kimi_family.rules(), opt("--parity-tolerances"), opt("--parity-tol"))
+            self._rules = with_user_rules(KIMI_LINEAR.entry("rules")(), opt("--parity-tolerances"),
+                                          opt("--parity-tol"))
         return self._rules
 
     def dump(self, path: Path) -> tuple:

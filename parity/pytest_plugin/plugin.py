@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from parity.model import families
 from parity.replay.session import BUNDLED_DUMPS, dump_identity, target_info
 from parity.pytest_plugin.kimi import RECORD_KEY as KIMI_RECORD_KEY
 from parity.pytest_plugin.kimi import is_kimi, kimi_units, run_kimi_unit  # noqa: F401 (run_kimi_unit: parity/test_points.py)
@@ -122,8 +123,8 @@ def selected_dumps(config: pytest.Config) -> list[DumpEntry]:
                 seen.add(p.resolve())
                 paths.append(p)
     else:
-        paths = sorted(BUNDLED_DUMPS.glob("*.h5"))
-    paths = [p for p in paths if not is_kimi(p)]  # Kimi Linear dumps: `kimi_dumps`, tests of their own
+        paths = sorted((BUNDLED_DUMPS / families.LING3.goldens).glob("*.h5"))
+    paths = [p for p in paths if families.of_dump(p).replay == __name__]  # another family's replay has its own tests
     modes = parity_modes(config)
     return [DumpEntry(p, lab, m, lab if len(modes) == 1 else f"{lab}/{m}")
             for p, lab in zip(paths, dump_labels(paths)) for m in modes]
@@ -134,7 +135,8 @@ def kimi_dumps(config: pytest.Config) -> list[Path]:
     ones (`dumps/kimi/*.h5`, `parity.golden.KIMI_GOLDEN`: a folder of their own, so that what reads every Ling3
     golden in `dumps/*.h5` does not meet them)."""
     given = config.getoption("--parity-dump")
-    paths = list(dict.fromkeys(Path(p) for p in given)) if given else sorted((BUNDLED_DUMPS / "kimi").glob("*.h5"))
+    paths = list(dict.fromkeys(Path(p) for p in given)) if given else \
+        sorted((BUNDLED_DUMPS / families.KIMI_LINEAR.goldens).glob("*.h5"))
     return [p for p in paths if is_kimi(p)]
 
 
@@ -173,10 +175,10 @@ class ParitySession:
         return self._watchdog
 
     def rules(self):
-        from parity.numerics.tolerances import default_rules, with_user_rules
+        from parity.numerics.tolerances import with_user_rules
 
         opt = self.config.getoption
-        return with_user_rules(default_rules(), opt("--parity-tolerances"), opt("--parity-tol"))
+        return with_user_rules(families.LING3.entry("rules")(), opt("--parity-tolerances"), opt("--parity-tol"))
 
     def open_session(self, entry: DumpEntry):
         """Open (and build the target for) one dump's replay session; ParityError with one line when it cannot."""
