@@ -335,7 +335,8 @@ def _mutant(m):
     return module, m.attr, m.make(getattr(module, m.attr)), m.kind
 
 
-MUTANTS = {m.name: _mutant(m) for m in kimi_mutants.CATALOGUE}  # name: (module, attribute, replacement, layer kinds)
+MUTANTS = {m.name: _mutant(m) for m in kimi_mutants.CATALOGUE  # name: (module, attribute, replacement, layer kinds)
+           if "float32" in m.dtypes}  # judged here by the fp32 noise ratio first
 
 
 def _touches(kind: str, i: int) -> bool:

@@ -120,10 +120,17 @@ def test_regeneration_gives_the_bundled_dump(golden, tmp_path, monkeypatch):
 
     from parity.cli.kimi_check import main
 
+    import torch
+
     out = tmp_path / golden.file
     monkeypatch.chdir(ROOT)  # the command's relative checkpoint path is recorded in the dump's config
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "0")
-    assert main(golden.args(out)) == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the golden's command (`KimiGolden.command`: OMP_NUM_THREADS=1)
+    try:
+        assert main(golden.args(out)) == 0
+    finally:
+        torch.set_num_threads(threads)
     bundled = KIMI_DUMPS / golden.file
     assert structure_differences(dump_structure(bundled), dump_structure(out)) == []
     if machine_kind() != KIMI_MACHINE:
@@ -142,7 +149,7 @@ def test_regeneration_gives_the_bundled_dump(golden, tmp_path, monkeypatch):
 @pytest.mark.parametrize("golden", KIMI_GOLDEN, ids=[g.dtype for g in KIMI_GOLDEN])
 @pytest.mark.parametrize("name", sorted(m.name for m in CATALOGUE))
 def test_catalogue_bug_fails_first_at_its_site(name, golden):
-    from parity.jax_kimi.check import layer_verdicts
+    from parity.jax_kimi.check import decode_verdicts, layer_verdicts
     from parity.model.kimi_family import SITES
     from parity.targets.kimi_mutants import BY_NAME, CLASSES
     from parity.torch_ref.kimi_ckpt import load_kimi_model
@@ -152,9 +159,15 @@ def test_catalogue_bug_fails_first_at_its_site(name, golden):
     steps, _, _ = read_kimi_dump(KIMI_DUMPS / golden.file, ckpt)
     model = load_kimi_model(ckpt, golden.dtype)
     m = BY_NAME[name]
+    if golden.dtype not in m.dtypes:
+        pytest.skip(f"{name} is correct code in {golden.dtype} (a precision placement; the catalogue's dtypes)")
     layer = m.first_layer(model.config)
     with CLASSES[name]().planted():  # the target's own patch; eager: it applies to every call
         v = layer_verdicts(model.state_dict(), model.config, steps[0], layer, golden.dtype)[0]
+        if m.phase == "decode":  # the prefill passes; the first decode step with a failure fails first at the site
+            assert all(r.status != "fail" for r in v.values()), {s: r.status for s, r in v.items()}
+            per_step = decode_verdicts(model.state_dict(), model.config, steps, layer, golden.dtype)
+            v = next((d for d in per_step if any(r.status == "fail" for r in d.values())), {})
     order = [s.site for s in SITES if s.site in v]
     failing = [s for s in order if v[s].status == "fail"]
     assert failing and failing[0] == m.site, f"{name} ({golden.dtype}): first failing {failing[:3]}, expected {m.site}"
@@ -323,3 +336,34 @@ def test_a_grads_dump_replays_its_backward_and_a_backward_only_bug_fails_there(t
     failed = {s for s, r in verdicts().items() if r.status == "fail"}
     assert {"backward/grad.self_attn.f_a_proj", "backward/grad.self_attn.A_log"} <= failed, failed
     assert all(s.startswith("backward/") for s in failed), failed  # the forward is untouched
+
+
+@pytest.mark.parametrize("golden", KIMI_GOLDEN, ids=[g.dtype for g in KIMI_GOLDEN])
+def test_the_kda_cache_sites_are_the_builtins_cache(golden):
+    """The KDA cache sites (`kimi_family.SITES` with `cache`): every KDA layer holds both at the prefill and at each
+    decode step, no MLA layer does; the conv history is laid out [3, B, P, W] with q, k, v first — its newest column
+    is the step's own q/k/v projection (the short conv's input), bit for bit, which fixes the layout independently of
+    the reference."""
+    import json
+
+    import h5py
+
+    from parity.torch_ref.kimi_dump import read_kimi_dump
+
+    steps, _, _ = read_kimi_dump(KIMI_DUMPS / golden.file, ROOT / "dumps" / "ckpt" / "kimi-tiny")
+    with h5py.File(KIMI_DUMPS / golden.file) as f:
+        cfg = json.loads(f.attrs["config_json"])
+    kda = [i for i, t in enumerate(cfg["layer_types"]) if t == "linear_attention"]
+    H, d, W = cfg["linear_num_heads"], cfg["linear_head_dim"], cfg["linear_conv_kernel_dim"]
+    assert len(steps) == 3 and kda
+    for k, sites in enumerate(steps):
+        held = {i for (i, s) in sites if s in ("attention.state", "attention.conv_state")}
+        assert held == set(kda), (k, held)
+        for i in kda:
+            state = sites[(i, "attention.state")]
+            assert state.shape == (1, H, d, d) and state.dtype == np.float32, (state.shape, state.dtype)
+            conv = sites[(i, "attention.conv_state")]
+            assert conv.shape == (3, 1, H * d, W), conv.shape
+            for j, n in enumerate("qkv"):
+                newest = sites[(i, f"attention.{n}_proj")][0, -1]  # the step's last token
+                assert np.array_equal(conv[j, 0, :, -1], newest), (k, i, n)

@@ -58,7 +58,7 @@ def judged_pairs(sites: dict[tuple[int, str], Any], i: int, pts: dict[str, Any])
     """{site: (the built-in's tensor, the JAX point)} of every judged site of `kimi_family.SITES` captured at layer i,
     in execution order. A site the JAX reference has no point for is a one-line `ParityError`."""
     from parity.errors import ParityError
-    from parity.model.kimi_family import SITES
+    from parity.model.kimi_family import SITES, canonical
 
     out = {}
     for s in SITES:
@@ -67,7 +67,7 @@ def judged_pairs(sites: dict[tuple[int, str], Any], i: int, pts: dict[str, Any])
         if s.jax_point not in pts:
             raise ParityError(f"layer {i}: site {s.site!r} (module {s.module!r}) has no JAX point {s.jax_point!r}: "
                               f"parity.jax_kimi does not compute it (parity.model.kimi_family.SITES)")
-        out[s.site] = (sites[(i, s.site)], pts[s.jax_point])
+        out[s.site] = (sites[(i, s.site)], canonical(s.site, pts[s.jax_point]))
     return out
 
 
@@ -175,6 +175,7 @@ def layer_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any],
     from parity.jax_kimi.moe import mlp_block
     from parity.jax_kimi.spec import layer_spec
     from parity.jax_kimi.weights import layer_params
+    from parity.model.kimi_family import canonical
 
     spec = layer_spec(cfg, i, dtype, conv_kernel)
     jdt = spec.model.jdtype
@@ -200,7 +201,7 @@ def layer_verdicts(state_dict: Any, cfg: Any, sites: dict[tuple[int, str], Any],
         s32 = layer_spec(cfg, i, "float32", conv_kernel)
         _, pts32 = decoder_layer(p, x.astype(jnp.float32), s32, None, forced)
         tf32, _ = mlp_block(p["mlp"], jnp.asarray(as_f32(sites[(i, "mlp:in")])), s32, forced)
-        got = {site: pts32[t] for site, t in _jax_points(sites, i).items() if t in pts32}
+        got = {site: canonical(site, pts32[t]) for site, t in _jax_points(sites, i).items() if t in pts32}
         return got | {"mlp (teacher-forced)": tf32}
 
     results = _judge(pairs, i, dtype, "layer", shadow, rules)

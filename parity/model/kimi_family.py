@@ -38,6 +38,10 @@ class KimiSite:
     point: str | None = None
     judged: bool = True
     inputs: tuple[str, ...] = ()  # the sites of the same layer it is computed from (the site graph, DESIGN §6)
+    # read from the built-in's cache after each forward that has one (a prefill followed by decode steps, and each
+    # decode step) instead of a hook: "recurrent" (`get_recurrent_state(i)`) or "conv" (`get_conv_state(i)`); a layer
+    # whose cache has no such state (an MLA layer) has no such site
+    cache: str | None = None
 
     @property
     def jax_point(self) -> str:
@@ -65,6 +69,14 @@ SITES: tuple[KimiSite, ...] = (
     _attn("b_proj", "b_proj"),  # before its sigmoid (beta is computed inline, no module)
     _attn("g_proj", "g_b_proj"),  # the output gate, g_b_proj(g_a_proj(x)), before its reshape
     _attn("o_norm", "o_norm", _KDA_IN),  # KimiLinearRMSNormGated: normalised and gated
+    # the KDA cache after the step (the built-in's `DynamicCache`, what its next decode step continues from): the
+    # recurrent state [B,H,K,V] fp32 — its update reads k, v, the decay and beta, never q (Ling3's facts §3.6, the
+    # same recurrence) — and the short conv's history of the last W inputs of [q|k|v], laid out [3,B,P,W] as Ling3's
+    # canonical `attention.conv_state` (`conv_state_canonical`: the built-in holds [B,3P,W])
+    KimiSite("attention.state", "self_attn", cache="recurrent", point="self_attn.recurrent_state",
+             inputs=("attention.k_proj", "attention.v_proj", "attention.gate", "attention.b_proj")),
+    KimiSite("attention.conv_state", "self_attn", cache="conv", point="self_attn.conv_state",
+             inputs=("attention.q_proj", "attention.k_proj", "attention.v_proj")),
     # MLA (KimiLinearAttention)
     _attn("q_a_proj", "q_a_proj"), _attn("q_a_layernorm", "q_a_layernorm", ("attention.q_a_proj",)),
     _attn("q_b_proj", "q_b_proj", ("attention.q_a_layernorm",)),
@@ -85,6 +97,22 @@ SITES: tuple[KimiSite, ...] = (
     KimiSite("mlp", "mlp", inputs=_POST + ("mlp.routed", "mlp.shared_experts")),
     KimiSite("output", "", inputs=("input", "attention", "mlp")),
 )
+
+
+def conv_state_canonical(x):
+    """A short-conv history [B, 3P, W] (the built-in's cache, fla's convention; torch, numpy or jax) as Ling3's
+    canonical `attention.conv_state` [3, B, P, W] (q, k, v first)."""
+    B, C, W = x.shape
+    y = x.reshape(B, 3, C // 3, W)
+    return y.permute(1, 0, 2, 3).contiguous() if hasattr(y, "permute") else y.transpose(1, 0, 2, 3)
+
+
+CANONICAL = {"attention.conv_state": conv_state_canonical}  # site -> layout of its dump, applied to both sides
+
+
+def canonical(site: str, x):
+    """`x` (the built-in's tensor or a JAX point of `site`) in the layout the dump holds the site in."""
+    return CANONICAL[site](x) if site in CANONICAL else x
 
 
 # Model-level sites (layer None; DESIGN §3's names): the embedding's output, the final norm's and the head's logits.

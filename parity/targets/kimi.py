@@ -8,7 +8,8 @@ A Kimi target is a class with
         state_dict: the built-in's tensors as transformers loads them (module names, `model.layers.{i}.…`), from
         which the port builds its own parameters; hidden: [B, T, D] numpy in the dtype (bf16 as ml_dtypes'); forced_idx:
         [B, T, k] int32, the experts a MoE layer must route to (None: its own router). Returns the layer output and
-        a dict of intermediate points named by `parity.model.kimi_family.SITES` sites (`attention`, `mlp`, ...);
+        a dict of intermediate points named by `parity.model.kimi_family.SITES` sites (`attention`, `mlp`, ...),
+        each laid out as the dump holds it (`kimi_family.canonical`: the KDA conv history [3, B, P, W]);
         a site it does not return is listed as not provided, not failed.
 It is named `package.module:ClassName`, as a Ling3 target is (`parity.targets.resolve`).
 """
@@ -40,14 +41,15 @@ class KimiReferenceTarget:
         from parity.jax_kimi.layer import decoder_layer_jit
         from parity.jax_kimi.spec import layer_spec
         from parity.jax_kimi.weights import layer_params
-        from parity.model.kimi_family import SITES
+        from parity.model.kimi_family import SITES, canonical
 
         spec = layer_spec(self.config, i, self.dtype)
         p = layer_params(state_dict, i, spec)
         forced = None if forced_idx is None else jnp.asarray(forced_idx, jnp.int32)
         with self.planted():
             out, pts = decoder_layer_jit()(p, jnp.asarray(hidden, spec.model.jdtype), spec, None, forced)
-        got = {s.site: np.asarray(pts[s.jax_point]) for s in SITES if s.judged and s.jax_point in pts}
+        got = {s.site: np.asarray(canonical(s.site, pts[s.jax_point])) for s in SITES
+               if s.judged and s.jax_point in pts}
         return np.asarray(out), got
 
     @contextlib.contextmanager

@@ -81,12 +81,24 @@ def _weights_ignoring_norm_topk_prob(logits, idx, m):
     return jnp.take_along_axis(jax.nn.sigmoid(logits), idx, axis=-1) * m.routed_scaling
 
 
+def _state_cached_in_activation_dtype(orig):
+    """The KDA recurrent state kept in the activation dtype between steps (bf16 in a bf16 model) where the built-in
+    caches it in fp32 (`update_recurrent_state(state.to(torch.float32))`): each decode step continues from a rounded
+    state. The same code in an fp32 model is correct, so it is pinned in bf16 only."""
+    def kda_attention(p, x, spec, state=None):
+        out, pts, (S, conv) = orig(p, x, spec, state)
+        return out, pts, (S.astype(x.dtype), conv)
+    return kda_attention
+
+
 # ------------------------------------------------------------------------------------------ the catalogue
 @dataclass(frozen=True)
 class KimiMutation:
     """name: the catalogue's name. doc: the porting mistake it models. module, attr: what it replaces in
     `parity.jax_kimi` (looked up at trace time). make: orig -> replacement (the original passed in: a wrapper).
-    kind: the layers it touches ("kda", "mla", "moe"). site: where it must first fail (its first such layer)."""
+    kind: the layers it touches ("kda", "mla", "moe"). site: where it must first fail (its first such layer).
+    dtypes: where the code is wrong (a bug of precision placement is no bug in an fp32 model). phase: where it must
+    first fail ("decode": only a decode step, continuing from the port's own cache, shows it)."""
 
     name: str
     doc: str
@@ -95,6 +107,8 @@ class KimiMutation:
     make: Callable[[Any], Callable]
     kind: str
     site: str
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")  # the compute dtypes in which the code is wrong
+    phase: str = "prefill"  # "decode": the prefill passes, a decode step through the cache fails first
 
     def first_layer(self, cfg: Any) -> int:
         """The first decoder layer the bug touches, from the config's layer kinds alone."""
@@ -134,6 +148,12 @@ CATALOGUE: tuple[KimiMutation, ...] = (
     # the router's logits are untouched, its weights are not: the weighted expert sum is the first site
     KimiMutation("router_ignores_norm_topk_prob", _weights_ignoring_norm_topk_prob.__doc__, "parity.jax_kimi.moe",
                  "routing_weights", _const(_weights_ignoring_norm_topk_prob), "moe", "mlp.routed"),
+    # one rounding of the fp32 state to bf16 is within the bf16 tier's floor for the state (the rule's floor is the
+    # activations' precision): the prefill passes; the decode steps continue from rounded states and the state, the
+    # only site holding it, fails first once the roundings add up
+    KimiMutation("recurrent_state_cached_in_bf16", _state_cached_in_activation_dtype.__doc__, "parity.jax_kimi.kda",
+                 "kda_attention", _state_cached_in_activation_dtype, "kda", "attention.state", ("bfloat16",),
+                 phase="decode"),
 )
 BY_NAME = {m.name: m for m in CATALOGUE}
 

@@ -32,7 +32,7 @@ def capture_steps(model: Any, ids: Any, prompt_len: int) -> list[dict[tuple[int,
     decoded one at a time through the built-in's own cache (`past_key_values`, as generation runs it)."""
     import torch
 
-    from parity.model.kimi_family import MODEL_SITES, SITES
+    from parity.model.kimi_family import MODEL_SITES, SITES, canonical
 
     steps: list[dict[tuple[int | None, str], Any]] = []
     hooks = []
@@ -45,8 +45,21 @@ def capture_steps(model: Any, ids: Any, prompt_len: int) -> list[dict[tuple[int,
         t = t.detach()
         steps[-1][(i, site.site)] = torch.sort(t, dim=-1).values if site.sort else t.clone()
 
+    def keep_cache(cache: Any) -> None:  # the cache sites (`KimiSite.cache`) of every layer whose cache has them
+        for i in range(len(model.model.layers)):
+            for site in (s for s in SITES if s.cache):
+                try:
+                    t = (cache.get_recurrent_state(i) if site.cache == "recurrent" else cache.get_conv_state(i))
+                except ValueError:  # not a linear-attention layer: no such state
+                    continue
+                if t is not None:
+                    t = t.detach().clone()
+                    steps[-1][(i, site.site)] = canonical(site.site, t)
+
     for i, layer in enumerate(model.model.layers):
         for site in SITES:
+            if site.cache:
+                continue
             try:
                 module = layer.get_submodule(site.module) if site.module else layer
             except AttributeError:  # this layer kind has no such module
@@ -63,9 +76,11 @@ def capture_steps(model: Any, ids: Any, prompt_len: int) -> list[dict[tuple[int,
                 model(ids)
             else:
                 cache = model(ids[:, :prompt_len], use_cache=True).past_key_values
+                keep_cache(cache)
                 for t in range(prompt_len, ids.shape[-1]):
                     steps.append({})
                     cache = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).past_key_values
+                    keep_cache(cache)
     finally:
         for h in hooks:
             h.remove()
