@@ -420,8 +420,10 @@ def decode_verdicts(state_dict: Any, cfg: Any, steps: list[dict[tuple[int, str],
     """Decode, layer mode: per decode step k >= 1, {site: SiteResult} of the reference layer i fed the built-in's
     step-k layer input (routed to the built-in's step-k experts) and continuing from its *own* state — its KDA
     recurrent and conv state, or its MLA key/value cache — after its prefill on the built-in's prefill input and its
-    earlier steps (the built-in's cache is not read). Judged as the prefill is, without the precision shadow; MLA's
-    `attention.kv_b_proj` at the new tokens (the built-in re-expands every cached token's latent each step)."""
+    earlier steps (the built-in's cache is not read). Judged as the prefill is: a bf16 site that fails its rule is
+    asked whether it is the more precise side, against the reference's fp32 chain on the same inputs (its prefill and
+    steps continued from its own fp32 state; computed once, when a site first fails); MLA's `attention.kv_b_proj` at
+    the new tokens (the built-in re-expands every cached token's latent each step)."""
     import jax.numpy as jnp
 
     from parity.jax_kimi.layer import decoder_layer
@@ -432,16 +434,29 @@ def decode_verdicts(state_dict: Any, cfg: Any, steps: list[dict[tuple[int, str],
     jdt = spec.model.jdtype
     p = layer_params(state_dict, i, spec)
     names = STATE_POINTS[spec.kind]
-    out = []
-    state = None
-    for k, sites in enumerate(steps):
-        x = jnp.asarray(as_f32(sites[(i, "input")]), jdt)
-        _, pts = decoder_layer(p, x, spec, state, _forced(sites, i, x.shape))
-        state = tuple(pts[n] for n in names)
-        if k:
-            pairs = judged_pairs(sites, i, pts)
-            if "attention.kv_b_proj" in pairs:  # the built-in expands its whole cached latent at every step
-                ref, test = pairs["attention.kv_b_proj"]  # [B, 1, S, ·]; the JAX point is the new token's [B, 1, ·]
-                pairs["attention.kv_b_proj"] = (ref[..., -x.shape[1]:, :], test)
-            out.append(_judge(pairs, i, dtype, "layer", rules=rules))
-    return out
+
+    def chain(run_spec, upto: int):  # the reference through steps 0..upto on the built-in's inputs, its own state
+        state, got = None, []
+        for k, sites in enumerate(steps[:upto + 1]):
+            x = jnp.asarray(as_f32(sites[(i, "input")]), run_spec.model.jdtype)
+            _, pts = decoder_layer(p, x, run_spec, state, _forced(sites, i, x.shape))
+            state = tuple(pts[n] for n in names)
+            got.append(pts)
+        return got
+
+    def pairs_at(k: int, pts: dict) -> dict:
+        pairs = judged_pairs(steps[k], i, pts)
+        if "attention.kv_b_proj" in pairs:  # the built-in expands its whole cached latent at every step
+            ref, test = pairs["attention.kv_b_proj"]  # [B, 1, S, ·]; the JAX point is the new token's [B, 1, ·]
+            pairs["attention.kv_b_proj"] = (ref[..., -test.shape[-2]:, :], test)
+        return pairs
+
+    shadow32: list = []  # the fp32 chain, computed at the first failing bf16 site
+
+    def shadow(k: int) -> dict[str, Any]:
+        if not shadow32:
+            shadow32.extend(chain(layer_spec(cfg, i, "float32", conv_kernel), len(steps) - 1))
+        return {site: t for site, (_, t) in pairs_at(k, shadow32[k]).items()}
+
+    return [_judge(pairs_at(k, pts), i, dtype, "layer", lambda k=k: shadow(k), rules)
+            for k, pts in enumerate(chain(spec, len(steps) - 1)) if k]
