@@ -407,14 +407,39 @@ def calibrated_sections() -> dict[str, RulesTable]:
     return parse_calibration(text, CALIBRATION_FILE)
 
 
+# ------------------------------------------------------------------------------------------------ real widths
+REAL_WIDTH_FILE = "real_width.toml"  # hand-written from real-width measurements (its header says which)
+# The calibration corpora's checkpoints have hidden size 64; the real-width section applies beyond this width.
+TINY_WIDTH_MAX = 256
+
+
+def width_class(hidden_size: int | None) -> str:
+    """"real" for a model wider than the calibration corpora's (`TINY_WIDTH_MAX`), else "tiny" (also when unknown)."""
+    return "real" if hidden_size is not None and hidden_size > TINY_WIDTH_MAX else "tiny"
+
+
+def rule_semantics(semantics: Mapping[str, Any] | None, hidden_size: int | None) -> dict[str, Any]:
+    """What a dump's conditional rule sections are resolved against (`RulesTable.for_semantics`): its recorded
+    semantic forks (parity.model.semantics) and its width class (`width`, the real-width section's condition)."""
+    return {**(semantics or {}), "width": width_class(hidden_size)}
+
+
+@functools.lru_cache(maxsize=1)
+def real_width_rules() -> RulesTable:
+    """`real_width.toml`'s conditional section (fp32 floors for dumps wider than the calibration corpora)."""
+    text = resources.files("parity.numerics").joinpath(REAL_WIDTH_FILE).read_text(encoding="utf-8")
+    return flatten(parse_calibration(text, REAL_WIDTH_FILE))
+
+
 @functools.lru_cache(maxsize=1)
 def default_rules() -> RulesTable:
-    """The packaged defaults: every section of `calibration.toml` in its lookup order — the backward phase's
-    gradient rules (parity.calibration.gradients: sites `backward/*`, every field set), the conditional real-kernel
-    sections, the calibrated tolerance rules (parity.calibration.rules), the per-element safety bounds
-    (parity.calibration.bounds: only `bound_rms`) and the isolated-mode exactness rates and norm-scale noise
-    (parity.calibration.exactness_rates)."""
-    return flatten(calibrated_sections())
+    """The packaged defaults: the real-width section (`real_width.toml`, conditional on `width = "real"`), then every
+    section of `calibration.toml` in its lookup order — the backward phase's gradient rules
+    (parity.calibration.gradients: sites `backward/*`, every field set), the conditional real-kernel sections, the
+    calibrated tolerance rules (parity.calibration.rules), the per-element safety bounds (parity.calibration.bounds:
+    only `bound_rms`) and the isolated-mode exactness rates and norm-scale noise (parity.calibration.exactness_rates).
+    Conditional entries apply once a dump's semantics resolve them (`for_semantics(rule_semantics(...))`)."""
+    return flatten(calibrated_sections()).merged(real_width_rules())
 
 
 def with_user_rules(base: RulesTable, tolerances_file: str | None, overrides: list[str] | None) -> RulesTable:

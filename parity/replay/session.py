@@ -152,7 +152,7 @@ class Session:
         A target that loads from disk (`needs_checkpoint_dir`, protocol v2) is given the checkpoint directory and the
         `layers` the replay will visit (None: all). `matmul_precision`: `--parity-matmul-precision` (None: the
         default policy, `parity.replay.matmul_policy`)."""
-        from parity.numerics.tolerances import default_rules
+        from parity.numerics.tolerances import default_rules, rule_semantics
         from parity.replay.matmul_policy import resolve_policy
 
         resolve_policy(matmul_precision)  # a bad value is one error before anything is built
@@ -182,7 +182,9 @@ class Session:
                 raise TargetError(f"target {getattr(tgt, 'name', type(tgt).__name__)!r}: build({reader.path.name} "
                                   f"config, {dtype}) raised {type(e).__name__}: {_first_line(e)}") from None
             # conditional entries (the calibration's sections for recorded semantic forks) resolved for this dump
-            rules = (rules or default_rules()).for_semantics(reader.semantics)
+            # and the real-width section for a dump wider than the calibration corpora (docs/numerics.md)
+            rules = (rules or default_rules()).for_semantics(rule_semantics(reader.semantics,
+                                                                            reader.config.hidden_size))
             s = cls(dump=reader, ckpt=ckpt, target=tgt, rules=rules, mode=mode, dtype=dtype,
                     watchdog=watchdog, semantics=semantics, strict_variants=strict_variants,
                     matmul_precision=matmul_precision)

@@ -255,6 +255,7 @@ def make_bundle(report: dict, out_dir: str | Path, *, point: str | None = None, 
     from parity.dumpfile import DumpReader
     from parity.replay.session import check_checkpoint, find_checkpoint
     from parity.model.semantics import reference_options
+    from parity.numerics.tolerances import rule_semantics
     from parity.targets import resolve
 
     pt = choose_point(report, point)
@@ -284,7 +285,8 @@ def make_bundle(report: dict, out_dir: str | Path, *, point: str | None = None, 
             "layer": pt.layer, "site": pt.site, "mode": chosen, "target": spec,
             "semantic_options": reference_options(reader.semantics, intended=intended),
             "dtype": compute, "config": json.loads(reader.meta["config_json"]),
-            "rule": point_rule(report, compute, chosen, pt, reader.dtype(pt), reader.semantics),
+            "rule": point_rule(report, compute, chosen, pt, reader.dtype(pt),
+                               rule_semantics(reader.semantics, reader.config.hidden_size)),
             "forced_routing": chosen == "layer" and report.get("mode") == "forced",
             "report": report_path, "dump": str(dump_path), "checkpoint": str(ckpt_dir),
             "report_mode": report.get("mode"), "report_target": report.get("target"),
