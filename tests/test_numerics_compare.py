@@ -383,3 +383,71 @@ def test_compare_never_raises_and_identical_passes(a, data, to_bf16):
     json.dumps(v.to_dict(), allow_nan=False)
     assert isinstance(v.message(), str)
     assert compare(a, a.copy(), r).passed
+
+
+# ------------------------------------------------------------------------------------------ block by block
+# `_compare_float_blocked` (used above BLOCKED_ABOVE elements: a real vocabulary's gradients) against the reference
+# `_compare_float` on the same inputs, with blocks small enough to split these tensors every way: whole rows per
+# block, and rows longer than a block (a gradient's single row). Integers, indices and percentiles must be equal;
+# the float64 norms behind rel-L2 / cosine are sums of per-block sums (last bits), and a row split across blocks has
+# its RMS summed in pieces (the floor's last bits).
+def _blocked_vs_reference(r, t, rl, block, dtype="float32"):
+    import dataclasses
+
+    from parity.numerics.compare import _compare_float, _compare_float_blocked
+
+    a = _compare_float(r, t, rl, "x", dtype)
+    b = _compare_float_blocked(r, t, rl, "x", dtype, block=block)
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, float) and isinstance(y, float) and math.isnan(x):
+            assert math.isnan(y), (f.name, x, y, block)
+        elif isinstance(x, float) and isinstance(y, float) and not math.isinf(x):
+            assert y == pytest.approx(x, rel=FP64_STAT_REL, abs=0.0), (f.name, x, y, block)
+        else:
+            assert x == y, (f.name, x, y, block)
+    return a
+
+
+def _noisy(shape, seed, dtype=np.float32, garbage=0):
+    rng = np.random.default_rng(seed)
+    r = rng.standard_normal(shape).astype(dtype)
+    t = (r.astype(np.float64) * (1 + 3e-7 * rng.standard_normal(shape))).astype(dtype)
+    flat = t.reshape(-1)
+    idx = rng.choice(flat.size, size=garbage, replace=False) if garbage else []
+    flat[idx] = flat[idx] * 1.5 + 0.25  # a few elements far off: outliers, bound breaches, worst indices
+    return r, t
+
+
+@pytest.mark.parametrize("shape", [(7, 33), (1, 1000), (3, 5, 64), (2001,)])
+@pytest.mark.parametrize("block", [1, 17, 64, 10**6])
+def test_blocked_comparison_gives_the_reference_verdict(shape, block):
+    for seed, garbage in ((0, 0), (1, 3)):
+        r, t = _noisy(shape, seed, garbage=garbage)
+        rl = ToleranceRule(floor_ulps=64, max_ulps=2, allowed_fraction=0.01, hard_ulps=4096, rtol=1e-5,
+                           bound_rms=0.5, inexact_row_rate=0.999)
+        v = _blocked_vs_reference(r, t, rl, block)
+        assert v.passed == (garbage == 0), v.message()
+        # bf16 tensors, NaN/Inf classes, a zero row
+        r16, t16 = r.astype(BF16), t.astype(BF16)
+        t16.reshape(-1)[:3] = np.array([np.nan, np.inf, -np.inf], BF16)[: min(3, t16.size)]
+        if r16.ndim > 1:
+            r16[..., 0, :] = 0
+        _blocked_vs_reference(r16, t16, rule(floor=2, max_ulps=2, frac=0.001, hard=64, bound_rms=0.25), block,
+                              "bfloat16")
+
+
+def test_a_large_gradient_is_compared_block_by_block(monkeypatch):
+    """compare() takes the blocked path above BLOCKED_ABOVE and gives the reference's verdict there."""
+    import importlib
+
+    C = importlib.import_module("parity.numerics.compare")  # the module (the package re-exports the function)
+    r, t = _noisy((1, 5000), 2, garbage=2)
+    rl = rule(floor=8, max_ulps=2, frac=0.001, hard=64)
+    want = C._compare_float(r, t, rl, "g", "float32")
+    seen = []
+    real = C._compare_float_blocked
+    monkeypatch.setattr(C, "BLOCKED_ABOVE", 1000)
+    monkeypatch.setattr(C, "_compare_float_blocked", lambda *a, **k: seen.append(1) or real(*a, block=700))
+    got = C.compare(r, t, rl, name="g")
+    assert seen and got.passed == want.passed and got.worst_index == want.worst_index and got.n_hard == want.n_hard
