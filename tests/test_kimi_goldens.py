@@ -367,3 +367,39 @@ def test_the_kda_cache_sites_are_the_builtins_cache(golden):
             for j, n in enumerate("qkv"):
                 newest = sites[(i, f"attention.{n}_proj")][0, -1]  # the step's last token
                 assert np.array_equal(conv[j, 0, :, -1], newest), (k, i, n)
+
+
+def test_a_kimi_report_gets_a_repro_bundle_that_reproduces_it(tmp_path):
+    """`tools/repro.py REPORT_DIR` on a failing Kimi report (a catalogue bug as the target, the bf16 golden): the
+    bundle's script, run from another directory without the dump or pytest, prints the same failing point and exits
+    1; with the suite's reference it matches (exit 0). A decode point and an isolated-mode point of the same report
+    (`--point`, `--mode`) reproduce too; a backward point has no bundle (one line)."""
+    import json
+
+    from parity.cli.repro import main as repro_main
+
+    r = _pytest("--parity-dump", str(KIMI_DUMPS / KIMI_GOLDEN[1].file), "--parity-target",
+                "parity.targets.kimi_mutants:DecayPerChannelNotPerHead", "-k", "layer_0", reports=tmp_path)
+    assert r.returncode == 1, r.stdout[-2000:]
+    rdir = tmp_path / KIMI_GOLDEN[1].file.removesuffix(".h5")
+    assert json.loads((rdir / "report.json").read_text())["family"] == "kimi_linear"
+    assert repro_main([str(rdir)]) == 0
+    bundle = rdir / "repro"
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(bundle / "repro.py"), *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600)
+
+    bad = run()
+    assert bad.returncode == 1 and bad.stdout.startswith("MISMATCH prefill/L00/attention.gate"), bad.stdout + bad.stderr
+    good = run("--target", "parity.targets.kimi:KimiReferenceTarget")
+    assert good.returncode == 0 and good.stdout.startswith("MATCH prefill/L00/attention.gate"), good.stdout + good.stderr
+    for extra, point in ((["--point", "decode/S002/L00/attention.state"], "decode/S002/L00/attention.state"),
+                         (["--point", "prefill/L00/attention", "--mode", "isolated"], "prefill/L00/attention")):
+        out = tmp_path / point.replace("/", "_")
+        assert repro_main([str(rdir), "--out", str(out), "--target", "parity.targets.kimi:KimiReferenceTarget",
+                           *extra]) == 0
+        res = subprocess.run([sys.executable, str(out / "repro.py")], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=600)
+        assert res.returncode == 0 and res.stdout.startswith(f"MATCH {point}"), res.stdout + res.stderr
+    assert repro_main([str(rdir), "--out", str(tmp_path / "bw"), "--point", "backward/L00/input"]) == 2

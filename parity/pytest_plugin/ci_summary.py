@@ -93,9 +93,11 @@ def summary(root: Path, bundles: bool = False) -> str:
             continue
         note = None
         if bundles and not rep["passed"] and rep.get("first_divergence"):
-            # a repro bundle replays Ling3 points (`parity.reporting.repro`); another family's report has none
-            note = _bundle(rep, p) if rep.get("family", "ling3") == "ling3" else \
-                f"no repro bundle: a {rep['family']} report (its pytest command above reproduces it)"
+            # a repro bundle replays the source point (`parity.reporting.repro`; a Kimi report's forward points by
+            # `parity.reporting.kimi_repro`): a Kimi backward source has none
+            src = rep["first_divergence"].get("source") or rep["first_divergence"]
+            note = _bundle(rep, p) if rep.get("family", "ling3") == "ling3" or src.get("phase") != "backward" else \
+                f"no repro bundle: a {rep['family']} backward point (its pytest command above reproduces it)"
         out += report_markdown(rep, note)
     return "\n".join(out) + "\n"
 

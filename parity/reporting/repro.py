@@ -239,8 +239,8 @@ def repro_commands(report: dict) -> list[str]:
         return []
     out = [f"  reproduce: {pytest_command(report)}"]
     src = fd.get("source") or fd
-    if src.get("layer") is not None and report.get("family", "ling3") == "ling3":
-        # the bundle reproduces a Ling3 per-layer point (its default point is the source)
+    if src.get("layer") is not None and (report.get("family", "ling3") == "ling3" or src.get("phase") != "backward"):
+        # the bundle reproduces a per-layer point (its default point is the source; a Kimi one a forward point)
         where = report.get("report_dir") or "<report dir>"
         out.append(f"  repro bundle: python tools/repro.py {shlex.quote(str(where))}")
     return out
@@ -258,6 +258,11 @@ def make_bundle(report: dict, out_dir: str | Path, *, point: str | None = None, 
     from parity.numerics.tolerances import rule_semantics
     from parity.targets import resolve
 
+    if report.get("family", "ling3") == "kimi_linear":  # a Kimi report's point: the family's own bundle
+        from parity.reporting.kimi_repro import make_kimi_bundle
+
+        return make_kimi_bundle(report, out_dir, point=point, target=target, mode=mode, dump=dump, ckpt=ckpt,
+                                report_path=report_path)
     pt = choose_point(report, point)
     spec = target or target_spec(report)
     cls = resolve(spec)
