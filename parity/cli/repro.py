@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dump", help="the dump, where the report's path does not resolve here")
     p.add_argument("--ckpt", help="the checkpoint directory, where the report's does not resolve here")
     a = p.parse_args(argv)
-    from parity.reporting.repro import make_bundle
+    from parity.reporting.bundles import make_report_bundle as make_bundle
     from parity.reporting.report import load_report
 
     try:

@@ -4,7 +4,7 @@ Appends markdown to `$GITHUB_STEP_SUMMARY` (stdout when it is not set): per repo
 `report.json` below it), the verdict, the first divergence and its source, the first semantic / precision
 divergence where the report has a `triage` section, the commands that reproduce the failure, and the per-layer table
 (`parity.reporting.report.layer_table_markdown`, folded). With `--bundles` it also writes the repro bundle
-(`parity.reporting.repro.make_bundle`) of each failing report into `<report dir>/repro` and names it; a bundle that cannot be made
+(`parity.reporting.bundles.make_report_bundle`: Ling3's or Kimi's) of each failing report into `<report dir>/repro` and names it; a bundle that cannot be made
 is one line in the summary, never a failed step (the verdict is pytest's exit status).
 """
 
@@ -68,7 +68,7 @@ def report_markdown(report: dict, bundle_note: str | None = None) -> list[str]:
 
 def _bundle(report: dict, report_json: Path) -> str:
     """Write the failing report's repro bundle; the line saying where (or why not)."""
-    from parity.reporting.repro import make_bundle
+    from parity.reporting.bundles import make_report_bundle as make_bundle
 
     try:
         out = make_bundle(report, report_json.parent / "repro", report_path=str(report_json.parent))

@@ -258,11 +258,6 @@ def make_bundle(report: dict, out_dir: str | Path, *, point: str | None = None, 
     from parity.numerics.tolerances import rule_semantics
     from parity.targets import resolve
 
-    if report.get("family", "ling3") == "kimi_linear":  # a Kimi report's point: the family's own bundle
-        from parity.reporting.kimi_repro import make_kimi_bundle
-
-        return make_kimi_bundle(report, out_dir, point=point, target=target, mode=mode, dump=dump, ckpt=ckpt,
-                                report_path=report_path)
     pt = choose_point(report, point)
     spec = target or target_spec(report)
     cls = resolve(spec)
