@@ -19,14 +19,12 @@ Model-level and backward points have no bundle (one line says so; their pytest c
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 
 from parity.model.points import Point
-from parity.reporting.repro import ReproError, choose_point, encode_arrays, pytest_command
+from parity.reporting.repro import ReproError, choose_point, pytest_command, write_bundle
 
 BUNDLE_KIND = "ling3-parity-kimi-repro"
 BUNDLE_VERSION = 1
@@ -121,22 +119,13 @@ def make_kimi_bundle(report: dict, out_dir: str | Path, *, point: str | None = N
         "report": report_path, "dump": str(dump_path), "checkpoint": str(ckpt_dir), "report_mode": rep_mode,
         "pytest_command": pytest_command(report, pt),
     }
-    return _write(Path(out_dir), meta, arrays, weights)
+    return write_bundle(Path(out_dir), meta, arrays, weights, script=SCRIPT, readme=_readme)
 
 
-def _write(out: Path, meta: dict, arrays: dict[str, np.ndarray], weights: dict[str, np.ndarray]) -> Path:
-    from safetensors.numpy import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    stored, notes = encode_arrays(arrays)
-    np.savez_compressed(out / "inputs.npz", **stored)
-    save_file({n: np.ascontiguousarray(v) for n, v in weights.items()}, str(out / "weights.safetensors"))
-    meta = dict(meta, arrays=notes, weights=sorted(weights))
-    (out / "bundle.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
-    shutil.copyfile(SCRIPT, out / "repro.py")
+def _readme(meta: dict) -> str:
     how = ("each block of the layer fed the built-in's own input of it" if meta["mode"] == "isolated"
            else "the layer fed the built-in's layer input of each step up to the point's, routed to its experts")
-    (out / "README.txt").write_text("\n".join([
+    return "\n".join([
         f"ling3-parity reproducer of a Kimi Linear point: {meta['point']} (target {meta['target']}, {meta['mode']} "
         f"repro: {how}).",
         "",
@@ -147,8 +136,7 @@ def _write(out: Path, meta: dict, arrays: dict[str, np.ndarray], weights: dict[s
         f"In the suite: {meta['pytest_command']}",
         "Inside: inputs.npz (the dumped sites the check reads), weights.safetensors (the layer's tensors as "
         "transformers loads them), bundle.json (point, mode, target, dtype, config, rule).",
-        ""]))
-    return out
+        ""])
 
 
 def point_of(report: dict) -> Point | None:

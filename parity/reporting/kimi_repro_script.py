@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from parity.errors import ParityError
     from parity.jax_kimi.check import decode_verdicts, isolated_verdicts, layer_verdicts
+    from parity.reporting.repro import verdict_line
     from parity.targets import resolve
 
     cfg = KimiLinearConfig.from_dict(meta["config"])
@@ -93,14 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     if res is None or res.verdict is None:
         print(f"CANNOT RUN {where}: the target does not produce this site")
         return 2
-    v = res.verdict
+    note = " (a variant: more precise than the built-in)" if res.status == "variant" else ""
+    print(verdict_line(where, res.verdict, res.status != "fail", note))
     if res.status != "fail":
-        note = " (a variant: more precise than the built-in)" if res.status == "variant" else ""
-        print(f"MATCH {where}{note}: max {v.max_ulp} ULP, rel-L2 {v.rel_l2} ({v.n} elements, {v.dtype})")
         return 0
-    bad = v.n_over if v.n_over else v.n_hard or v.n_bound or v.n_tol_fail or v.nan_inf_mismatches
-    print(f"MISMATCH {where}: {bad} of {v.n} elements outside the rule, max {v.max_ulp} ULP, worst at index "
-          f"{v.worst_index} (ref {v.worst_ref!r}, test {v.worst_test!r}), rel-L2 {v.rel_l2}")
     if a.verbose:
         print(res.message())
     return 1

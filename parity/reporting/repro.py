@@ -306,8 +306,10 @@ def bundle_environment(report: dict, cls) -> dict[str, str]:
     return {k: v for k, v in env.items() if v is not None}
 
 
-def write_bundle(out: Path, meta: dict, arrays: dict[str, np.ndarray], weights: dict[str, np.ndarray]) -> Path:
-    """inputs.npz, weights.safetensors, bundle.json, repro.py and README.txt in `out`."""
+def write_bundle(out: Path, meta: dict, arrays: dict[str, np.ndarray], weights: dict[str, np.ndarray],
+                 script: Path | None = None, readme=None) -> Path:
+    """inputs.npz, weights.safetensors, bundle.json, repro.py (`script`, default Ling3's) and README.txt
+    (`readme(meta)`, default `readme_text`) in `out`."""
     from safetensors.numpy import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -316,8 +318,8 @@ def write_bundle(out: Path, meta: dict, arrays: dict[str, np.ndarray], weights: 
     save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(out / "weights.safetensors"))
     meta = dict(meta, arrays=notes, weights=sorted(weights))
     (out / "bundle.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
-    shutil.copyfile(SCRIPT, out / "repro.py")
-    (out / "README.txt").write_text(readme_text(meta))
+    shutil.copyfile(script or SCRIPT, out / "repro.py")
+    (out / "README.txt").write_text((readme or readme_text)(meta))
     return out
 
 
@@ -352,3 +354,14 @@ def _env_text(env: dict | None) -> str:
     if not env:
         return "none declared by the target"
     return " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " (repro.py sets these itself)"
+
+
+def verdict_line(where: str, v, matched: bool, note: str = "") -> str:
+    """The one line a bundle's script prints (`repro_script.py`, `kimi_repro_script.py`): MATCH with the greatest
+    ULP and rel-L2, or MISMATCH with how many elements are outside the rule and the worst one."""
+    if matched:
+        return f"MATCH {where}{note}: max {v.max_ulp} ULP, rel-L2 {v.rel_l2} ({v.n} elements, {v.dtype})"
+    bad = v.n_over if v.n_over else v.n_hard or v.n_bound or v.n_tol_fail or v.nan_inf_mismatches
+    return (f"MISMATCH {where}: {bad} of {v.n} elements outside the rule, max {v.max_ulp} ULP, worst at index "
+            f"{v.worst_index} (ref {v.worst_ref!r}, test {v.worst_test!r}), rel-L2 {v.rel_l2}")
+

@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from parity.numerics.compare import compare
     from parity.numerics.tolerances import ToleranceRule
+    from parity.reporting.repro import verdict_line
 
     from parity.errors import ParityError
 
@@ -118,12 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"MISMATCH {where}: shape {test.shape}, dumped reference {ref.shape}")
         return 1
     v = compare(ref, test, ToleranceRule(**meta["rule"]), name=meta["point"])
+    print(verdict_line(where, v, v.passed))
     if v.passed:
-        print(f"MATCH {where}: max {v.max_ulp} ULP, rel-L2 {v.rel_l2} ({v.n} elements, {v.dtype})")
         return 0
-    bad = v.n_over if v.n_over else v.n_hard or v.n_bound or v.n_tol_fail or v.nan_inf_mismatches
-    print(f"MISMATCH {where}: {bad} of {v.n} elements outside the rule, max {v.max_ulp} ULP, worst at index "
-          f"{v.worst_index} (ref {v.worst_ref!r}, test {v.worst_test!r}), rel-L2 {v.rel_l2}")
     if a.verbose:
         print(v.message())
     return 1
