@@ -5,6 +5,8 @@ Ling3 checkpoint the official modeling_bailing_moe_v3.py and configuration_baili
 needs --trust-remote-code unless they are the suite's own twin byte for byte (the bundled checkpoints, and those
 tools/make_ckpt.py writes). --runtime native runs transformers' built-in bailing_hybrid and no checkpoint code.
 Bad options are one line and exit status 2; nothing is written under --out unless the dump completes.
+The checkpoint's family (config.json `model_type`, `parity.model.families`) picks the config check and the dumper:
+Ling3's is `dump_ling3` here, Kimi Linear's `parity.cli.dump_kimi` (transformers' built-in `KimiLinearForCausalLM`).
 """
 
 from __future__ import annotations
