@@ -393,7 +393,8 @@ def test_a_kimi_report_gets_a_repro_bundle_that_reproduces_it(tmp_path):
     bad = run()
     assert bad.returncode == 1 and bad.stdout.startswith("MISMATCH prefill/L00/attention.gate"), bad.stdout + bad.stderr
     good = run("--target", "parity.targets.kimi:KimiReferenceTarget")
-    assert good.returncode == 0 and good.stdout.startswith("MATCH prefill/L00/attention.gate"), good.stdout + good.stderr
+    assert good.returncode == 0 and good.stdout.startswith("MATCH prefill/L00/attention.gate"), \
+        good.stdout + good.stderr
     for extra, point in ((["--point", "decode/S002/L00/attention.state"], "decode/S002/L00/attention.state"),
                          (["--point", "prefill/L00/attention", "--mode", "isolated"], "prefill/L00/attention")):
         out = tmp_path / point.replace("/", "_")
