@@ -126,7 +126,7 @@ def test_a_registered_family_is_dumped_by_its_own_entries(monkeypatch, tmp_path)
 
     toy = families.Family("toy", ("toy_hybrid",), __name__, "toy", "README.md", goldens="toy",
                           config=f"{__name__}:toy_config", dump=f"{__name__}:toy_dump",
-                          rules=families.LING3.rules, weights=families.LING3.weights, replay=families.LING3.replay)
+                          rules=families.LING3.rules, replay=families.LING3.replay)
     monkeypatch.setattr(families, "FAMILIES", families.FAMILIES + (toy,))
     ckpt = tmp_path / "toy-ckpt"
     ckpt.mkdir()

@@ -5,9 +5,10 @@ A family's names live in its description module, and only there: Ling3's site gr
 `parity.model.ling3_family`, Kimi Linear's sites (canonical name <- the built-in's module <- the JAX point) and their
 graph in `parity.model.kimi_family`. Its entry here names, as `module:callable` strings (resolved on use, so that
 this registry imports nothing of theirs), what works from that description: the config check, the dumper, the rules,
-the JAX reference's checkpoint reader, the bundled goldens, the replay. `tools/dump_hf.py` (a checkpoint's family),
-`pytest parity` (a dump's), `tools/make_ckpt.py --family` and the Kimi corpus ask this module; a family added here
-with those entries is dumped and replayed (tests/test_ling3_family.py registers a third one).
+the bundled goldens, the replay module. `tools/dump_hf.py` (a checkpoint's family), `pytest parity` (a dump's) and
+`tools/make_ckpt.py --family` ask this module; a family added here with its own config check and dumper is dumped by
+them (tests/test_ling3_family.py registers a third one). Its dumps are replayed only once a replay module collects
+them (`parity.pytest_plugin.plugin` collects Ling3's, `parity.pytest_plugin.kimi` Kimi's).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from parity.errors import ParityError
 
 
-ENTRIES = ("config", "dump", "rules", "weights", "replay")
+ENTRIES = ("config", "dump", "rules", "replay")
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,6 @@ class Family:
     config:  checkpoint dir -> its validated config (one-line `ConfigError` naming the field), before weights load.
     dump:    `tools/dump_hf.py` for its checkpoints: (parser, args, ckpt, outs, config, argv) -> exit status.
     rules:   () -> `RulesTable`, the calibrated rules its dumps are judged by.
-    weights: the JAX reference's reader of its checkpoint names (a layer's HF tensors -> the reference's params).
     replay:  the `pytest parity` module that collects and judges its dumps."""
 
     name: str
@@ -46,7 +46,6 @@ class Family:
     config: str
     dump: str
     rules: str
-    weights: str
     replay: str
 
     def entry(self, what: str) -> Any:
@@ -67,13 +66,11 @@ class Family:
 LING3 = Family(
     "ling3", ("bailing_hybrid",), "parity.model.ling3_family", "ling3", "README.md", goldens=".",
     config="parity.model.config:checkpoint_config", dump="parity.cli.dump_hf:dump_ling3",
-    rules="parity.numerics.tolerances:default_rules", weights="parity.jax_ling3.weights:convert_layer",
-    replay="parity.pytest_plugin.plugin")
+    rules="parity.numerics.tolerances:default_rules", replay="parity.pytest_plugin.plugin")
 KIMI_LINEAR = Family(
     "kimi_linear", ("kimi_linear",), "parity.model.kimi_family", "kimi-linear", "docs/kimi_linear.md",
     goldens="kimi", config="parity.jax_kimi.spec:checkpoint_config", dump="parity.cli.dump_kimi:dump_kimi",
-    rules="parity.model.kimi_family:rules", weights="parity.jax_kimi.weights:layer_params",
-    replay="parity.pytest_plugin.kimi")
+    rules="parity.model.kimi_family:rules", replay="parity.pytest_plugin.kimi")
 FAMILIES: tuple[Family, ...] = (LING3, KIMI_LINEAR)
 
 

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from parity.model.families import KIMI_LINEAR
 from parity.model.points import Point
-from parity.reporting.repro import ReproError, choose_point, pytest_command, write_bundle
+from parity.reporting.repro import ReproError, choose_point, point_rule, pytest_command, write_bundle
 
 BUNDLE_KIND = "ling3-parity-kimi-repro"
 BUNDLE_VERSION = 1
@@ -52,20 +53,6 @@ def _checkpoint(report: dict, dump: Path, ckpt: str | None) -> Path:
         except (OSError, ValueError):
             pass
     return Path(find_checkpoint(fp, None))
-
-
-def _rule(report: dict, site: str, mode: str, dtype_ref: str, dtype: str) -> dict:
-    """The point's rule as the Kimi replay looks it up: the family's rules with the report's overrides merged."""
-    from parity.model.families import KIMI_LINEAR
-    from parity.numerics.tolerances import load_rules, parse_overrides
-
-    rules = KIMI_LINEAR.entry("rules")()
-    tol = report.get("tolerances") or {}
-    if tol.get("file"):
-        rules = rules.merged(load_rules(tol["file"]))
-    if tol.get("overrides"):
-        rules = rules.merged(parse_overrides(tol["overrides"], source="--parity-tol"))
-    return rules.rule_for(site.split(" ")[0], mode, dtype_ref, dtype).to_dict()
 
 
 def make_kimi_bundle(report: dict, out_dir: str | Path, *, point: str | None = None, target: str | None = None,
@@ -115,7 +102,8 @@ def make_kimi_bundle(report: dict, out_dir: str | Path, *, point: str | None = N
         "kind": BUNDLE_KIND, "version": BUNDLE_VERSION, "family": "kimi_linear", "point": pt.key(), "phase": pt.phase,
         "step": k, "layer": i, "site": pt.site, "mode": chosen, "target": spec, "dtype": dtype,
         "config": model.config.to_dict(),
-        "rule": _rule(report, pt.site, chosen, arrays[f"{k}|{base}"].dtype.name, dtype),
+        "rule": point_rule(report, dtype, chosen, Point(pt.phase, k, i, base), arrays[f"{k}|{base}"].dtype.name,
+                           base=KIMI_LINEAR.entry("rules")()),  # the family's rules, the report's overrides
         "report": report_path, "dump": str(dump_path), "checkpoint": str(ckpt_dir), "report_mode": rep_mode,
         "pytest_command": pytest_command(report, pt),
     }
@@ -137,13 +125,3 @@ def _readme(meta: dict) -> str:
         "Inside: inputs.npz (the dumped sites the check reads), weights.safetensors (the layer's tensors as "
         "transformers loads them), bundle.json (point, mode, target, dtype, config, rule).",
         ""])
-
-
-def point_of(report: dict) -> Point | None:
-    """The point a bundle of `report` reproduces, or None when it has none (a passing report, a model-level or a
-    backward source)."""
-    try:
-        pt = choose_point(report, None)
-    except ReproError:
-        return None
-    return None if pt.phase == "backward" else pt

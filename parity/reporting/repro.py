@@ -164,12 +164,13 @@ def encode_arrays(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
 
 
 def point_rule(report: dict, cfg_dtype: str, mode: str, point: Point, dump_dtype: str,
-               semantics: dict | None = None) -> dict:
-    """The tolerance rule of the point in the repro's mode: the default table with the report's recorded
-    `tolerances` (file, overrides) merged over it, resolved for the dump's `semantics`, looked up as the judge does."""
+               semantics: dict | None = None, base=None) -> dict:
+    """The tolerance rule of the point in the repro's mode: the default table (or `base`: a family's rules) with the
+    report's recorded `tolerances` (file, overrides) merged over it, resolved for the dump's `semantics`, looked up as
+    the judge does."""
     from parity.numerics.tolerances import default_rules, load_rules, parse_overrides
 
-    rules = default_rules()
+    rules = default_rules() if base is None else base
     tol = report.get("tolerances") or {}  # {"custom": true} (run_replay given a rules object): the defaults
     if tol.get("file"):
         rules = rules.merged(load_rules(tol["file"]))
